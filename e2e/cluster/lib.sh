@@ -1,0 +1,57 @@
+# Shared helpers for e2e/cluster scripts. Sourced, never executed.
+# shellcheck shell=bash
+
+CLUSTER_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=pins.env
+source "${CLUSTER_DIR}/pins.env"
+
+log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Compare dotted versions: version_ge 1.26.8 1.26.0
+version_ge() {
+  [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ]
+}
+
+# Use the machine's Go unless a wrapper module asks for a newer language version;
+# then let Go fetch the pinned toolchain through the module proxy.
+select_go_toolchain() {
+  command -v go >/dev/null || die "go is not installed; the control plane is built from source with Go"
+  local have need mod
+  have="$(go env GOVERSION | sed 's/^go//')"
+  need=0
+  for mod in "${CLUSTER_DIR}"/modules/*/go.mod; do
+    [ -f "$mod" ] || continue
+    local v
+    v="$(awk '$1 == "go" {print $2; exit}' "$mod")"
+    if ! version_ge "$need" "$v"; then need="$v"; fi
+  done
+  if version_ge "$have" "$need"; then
+    export GOTOOLCHAIN=local
+  else
+    log "local Go ${have} is older than ${need} required by a wrapper module; using ${GO_TOOLCHAIN_FALLBACK}"
+    export GOTOOLCHAIN="${GO_TOOLCHAIN_FALLBACK}"
+  fi
+}
+
+# Cache key: the pins plus the exact dependency graph (go.sum) of every wrapper,
+# so editing a pin or re-syncing a module invalidates the cache.
+cache_key() {
+  local sum
+  sum="$(cat "${CLUSTER_DIR}/pins.env" "${CLUSTER_DIR}"/modules/*/go.mod "${CLUSTER_DIR}"/modules/*/go.sum \
+    | sha256sum | cut -c1-12)"
+  printf 'k8s-%s_etcd-%s_kwok-%s_%s' "${K8S_VERSION}" "${ETCD_VERSION}" "${KWOK_VERSION}" "${sum}"
+}
+
+cache_root() { printf '%s' "${SLIPWAY_K8S_CACHE:-${HOME}/.cache/slipway/k8s}"; }
+cache_dir() { printf '%s/%s' "$(cache_root)" "$(cache_key)"; }
+bin_dir() { printf '%s/bin' "$(cache_dir)"; }
+
+REQUIRED_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok kwokctl)
+
+# Where `up` keeps a cluster: kwokctl's work dir (pids/, logs/, etcd data, pki,
+# kubeconfig). Outside the repository, one directory per cluster name.
+CLUSTER_NAME="${SLIPWAY_E2E_CLUSTER:-slipway-e2e}"
+state_root() { printf '%s' "${SLIPWAY_E2E_STATE:-${HOME}/.cache/slipway/e2e-clusters}"; }
+cluster_workdir() { printf '%s/clusters/%s' "$(state_root)" "${CLUSTER_NAME}"; }
+admin_kubeconfig() { printf '%s/admin.kubeconfig' "$(cluster_workdir)"; }

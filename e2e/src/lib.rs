@@ -1,0 +1,30 @@
+//! End-to-end test support for Slipway on a real Kubernetes control plane.
+//!
+//! The control plane (etcd, kube-apiserver, kube-controller-manager,
+//! kube-scheduler, kubectl, kwok) is built from source by `e2e/cluster/build`
+//! and started on 127.0.0.1 by `e2e/cluster/up`; GPU nodes are faked by KWOK.
+//! This crate wraps those scripts in a fixture:
+//!
+//! - [`ClusterGuard`] brings the cluster up once per test run (or reuses a
+//!   running one) and stops every process it started, by PID, when dropped —
+//!   also when a test fails or panics.
+//! - [`TestNamespace`] gives each test its own namespace, deleted afterwards.
+//! - [`wait`] waits on conditions with a timeout and a readable error; tests
+//!   never sleep to synchronise.
+//! - [`rbac`] runs a client under the operator's own RBAC identity, and
+//!   [`audit`] finds the requests the API server denied it.
+//!
+//! Invariant: nothing here listens on anything but 127.0.0.1, and nothing
+//! here silently skips — a missing binary or a failed build is an error.
+
+pub mod audit;
+mod cluster;
+mod error;
+pub mod manifests;
+mod namespace;
+pub mod rbac;
+pub mod wait;
+
+pub use cluster::{Cluster, ClusterGuard};
+pub use error::{Error, Result};
+pub use namespace::TestNamespace;
