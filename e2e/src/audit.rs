@@ -94,7 +94,11 @@ pub fn forbidden_requests(audit_log: &Path, username: &str) -> Result<Vec<AuditE
 ///
 /// # Errors
 /// [`Error::Timeout`] when none appears within `timeout`.
-pub async fn wait_for_forbidden(audit_log: &Path, username: &str, timeout: Duration) -> Result<Vec<AuditEvent>> {
+pub async fn wait_for_forbidden(
+    audit_log: &Path,
+    username: &str,
+    timeout: Duration,
+) -> Result<Vec<AuditEvent>> {
     wait::poll(
         &format!("a 403 for {username} in {}", audit_log.display()),
         timeout,
@@ -124,7 +128,10 @@ mod tests {
         assert_eq!(events.len(), 2);
         assert_eq!(events[0].code(), Some(403));
         assert_eq!(
-            events[0].object_ref.as_ref().and_then(|o| o.resource.as_deref()),
+            events[0]
+                .object_ref
+                .as_ref()
+                .and_then(|o| o.resource.as_deref()),
             Some("secrets")
         );
         assert_eq!(events[1].user.username, "admin");

@@ -74,7 +74,12 @@ impl Cluster {
     ///
     /// # Errors
     /// As [`Cluster::kubectl`].
-    pub fn kubectl_with(&self, kubeconfig: &Path, args: &[&str], timeout: Duration) -> Result<String> {
+    pub fn kubectl_with(
+        &self,
+        kubeconfig: &Path,
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<String> {
         let mut command = Command::new(self.bin_dir.join("kubectl"));
         command.arg("--kubeconfig").arg(kubeconfig).args(args);
         run_bounded(command, timeout)
@@ -257,7 +262,9 @@ fn drain(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String
 }
 
 fn join_drain(handle: std::thread::JoinHandle<String>) -> String {
-    handle.join().unwrap_or_else(|_| "(output reader panicked)".to_owned())
+    handle
+        .join()
+        .unwrap_or_else(|_| "(output reader panicked)".to_owned())
 }
 
 fn describe(command: &Command) -> String {

@@ -58,6 +58,9 @@ pub enum Error {
         #[source]
         source: kube::runtime::watcher::Error,
     },
+    /// A once-per-run setup step failed (reported to every test that needs it).
+    #[error("{what} failed: {reason}")]
+    Setup { what: String, reason: String },
     /// A bounded wait ran out; `last_seen` says what the cluster showed instead.
     #[error("timed out after {timeout:?} waiting for {what}; last seen: {last_seen}")]
     Timeout {

@@ -19,6 +19,7 @@
 
 pub mod audit;
 mod cluster;
+pub mod crd;
 mod error;
 pub mod manifests;
 mod namespace;

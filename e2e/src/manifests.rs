@@ -99,7 +99,10 @@ mod tests {
     fn multi_document_yaml_skips_empty_documents() {
         let documents = parse_documents("---\n# only a comment\n---\na: 1\n---\nb: [x]\n---\n")
             .expect("valid YAML parses");
-        assert_eq!(documents, vec![serde_json::json!({"a": 1}), serde_json::json!({"b": ["x"]})]);
+        assert_eq!(
+            documents,
+            vec![serde_json::json!({"a": 1}), serde_json::json!({"b": ["x"]})]
+        );
     }
 
     #[test]

@@ -70,7 +70,13 @@ impl Drop for TestNamespace {
         // Not waiting: finalisation of the namespace's objects is the namespace
         // controller's job and would only slow the run down.
         let deleted = self.cluster.kubectl(
-            &["delete", "namespace", &self.name, "--wait=false", "--ignore-not-found"],
+            &[
+                "delete",
+                "namespace",
+                &self.name,
+                "--wait=false",
+                "--ignore-not-found",
+            ],
             KUBECTL_TIMEOUT,
         );
         if let Err(error) = deleted {
@@ -83,7 +89,11 @@ impl Drop for TestNamespace {
 /// share a reused cluster (pid), and a valid DNS label.
 fn namespace_name(test_name: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let suffix = format!("-{:x}{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let suffix = format!(
+        "-{:x}{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
     let prefix = sanitize(&format!("e2e-{test_name}"), 63 - suffix.len());
     format!("{prefix}{suffix}")
 }
@@ -92,7 +102,13 @@ fn namespace_name(test_name: &str) -> String {
 fn sanitize(raw: &str, max_len: usize) -> String {
     let mut label: String = raw
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
         .take(max_len)
         .collect();
     while label.ends_with('-') {
@@ -107,11 +123,17 @@ mod tests {
 
     #[test]
     fn namespace_names_are_dns_labels() {
-        let name = namespace_name("crd_validation::Rejects_EVERY invalid object in the table, really every one");
+        let name = namespace_name(
+            "crd_validation::Rejects_EVERY invalid object in the table, really every one",
+        );
         assert!(name.len() <= 63, "{name} is longer than 63");
-        assert!(name.starts_with("e2e-crd-validation--rejects-every"), "{name}");
         assert!(
-            name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+            name.starts_with("e2e-crd-validation--rejects-every"),
+            "{name}"
+        );
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
             "{name} has characters a DNS label cannot"
         );
         assert_ne!(namespace_name("same"), namespace_name("same"));

@@ -47,7 +47,11 @@ impl OperatorIdentity {
     /// # Errors
     /// When `manifests/rbac/` does not hold exactly one ServiceAccount, holds a
     /// kind this helper does not know, or the API server rejects an object.
-    pub async fn bind(cluster: &Cluster, admin: &Client, namespace: &TestNamespace) -> Result<Self> {
+    pub async fn bind(
+        cluster: &Cluster,
+        admin: &Client,
+        namespace: &TestNamespace,
+    ) -> Result<Self> {
         let rbac_dir = manifests::rbac_dir();
         let documents = manifests::load_dir(&rbac_dir)?;
         let service_account = single_service_account(&rbac_dir, &documents)?;
@@ -72,7 +76,10 @@ impl OperatorIdentity {
                 }
                 "ClusterRoleBinding" => {
                     retarget_subjects(&mut document, ns);
-                    let name = format!("{}-{ns}", document["metadata"]["name"].as_str().unwrap_or_default());
+                    let name = format!(
+                        "{}-{ns}",
+                        document["metadata"]["name"].as_str().unwrap_or_default()
+                    );
                     document["metadata"]["name"] = json!(name);
                     identity.cluster_role_bindings.push(name);
                     None
@@ -80,7 +87,9 @@ impl OperatorIdentity {
                 other => {
                     return Err(Error::Manifest {
                         path,
-                        reason: format!("kind {other:?} is not one the RBAC fixture knows how to bind"),
+                        reason: format!(
+                            "kind {other:?} is not one the RBAC fixture knows how to bind"
+                        ),
                     });
                 }
             };
@@ -141,7 +150,13 @@ impl Drop for OperatorIdentity {
     fn drop(&mut self) {
         for binding in &self.cluster_role_bindings {
             let deleted = self.cluster.kubectl(
-                &["delete", "clusterrolebinding", binding, "--ignore-not-found", "--wait=false"],
+                &[
+                    "delete",
+                    "clusterrolebinding",
+                    binding,
+                    "--ignore-not-found",
+                    "--wait=false",
+                ],
                 KUBECTL_TIMEOUT,
             );
             if let Err(error) = deleted {
@@ -171,20 +186,32 @@ fn single_service_account(dir: &Path, documents: &[(PathBuf, Value)]) -> Result<
 /// Point ServiceAccount subjects at `namespace`, where the test's copy lives.
 fn retarget_subjects(binding: &mut Value, namespace: &str) {
     if let Some(subjects) = binding["subjects"].as_array_mut() {
-        for subject in subjects.iter_mut().filter(|subject| subject["kind"] == "ServiceAccount") {
+        for subject in subjects
+            .iter_mut()
+            .filter(|subject| subject["kind"] == "ServiceAccount")
+        {
             subject["namespace"] = json!(namespace);
         }
     }
 }
 
 /// Server-side apply one manifest document, cluster-scoped or into `namespace`.
-async fn apply(client: &Client, path: &Path, mut document: Value, namespace: Option<&str>) -> Result<()> {
+async fn apply(
+    client: &Client,
+    path: &Path,
+    mut document: Value,
+    namespace: Option<&str>,
+) -> Result<()> {
     let invalid = |reason: &str| Error::Manifest {
         path: path.to_owned(),
         reason: reason.to_owned(),
     };
-    let api_version = document["apiVersion"].as_str().ok_or_else(|| invalid("no apiVersion"))?;
-    let kind = document["kind"].as_str().ok_or_else(|| invalid("no kind"))?;
+    let api_version = document["apiVersion"]
+        .as_str()
+        .ok_or_else(|| invalid("no apiVersion"))?;
+    let kind = document["kind"]
+        .as_str()
+        .ok_or_else(|| invalid("no kind"))?;
     let name = document["metadata"]["name"]
         .as_str()
         .ok_or_else(|| invalid("no metadata.name"))?
@@ -198,14 +225,23 @@ async fn apply(client: &Client, path: &Path, mut document: Value, namespace: Opt
         }
         None => Api::all_with(client.clone(), &resource),
     };
-    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&document))
-        .await?;
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&document),
+    )
+    .await?;
     Ok(())
 }
 
 /// Write a kubeconfig for `token`, trusting the same CA and talking to the same
 /// server as the admin kubeconfig's current context.
-fn write_token_kubeconfig(admin_kubeconfig: &Path, target: &Path, token: &str, namespace: &str) -> Result<()> {
+fn write_token_kubeconfig(
+    admin_kubeconfig: &Path,
+    target: &Path,
+    token: &str,
+    namespace: &str,
+) -> Result<()> {
     let admin = manifests::load_documents(admin_kubeconfig)?
         .into_iter()
         .next()
@@ -243,7 +279,8 @@ fn write_token_kubeconfig(admin_kubeconfig: &Path, target: &Path, token: &str, n
         std::fs::create_dir_all(dir).map_err(io_error)?;
     }
     // JSON is YAML; kubectl and kube both read it.
-    let text = serde_json::to_string_pretty(&kubeconfig).map_err(|error| invalid(error.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(&kubeconfig).map_err(|error| invalid(error.to_string()))?;
     std::fs::write(target, text).map_err(io_error)
 }
 

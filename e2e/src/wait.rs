@@ -45,7 +45,9 @@ where
         }),
         Err(_elapsed) => {
             let last_seen = match api.get_opt(name).await {
-                Ok(Some(object)) => serde_yaml::to_string(&object).unwrap_or_else(|e| format!("{object:?} ({e})")),
+                Ok(Some(object)) => {
+                    serde_yaml::to_string(&object).unwrap_or_else(|e| format!("{object:?} ({e})"))
+                }
                 Ok(None) => format!("{name} does not exist"),
                 Err(error) => format!("{name} could not be read: {error}"),
             };
