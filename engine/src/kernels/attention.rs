@@ -1,0 +1,124 @@
+//! Causal grouped-query attention of one query token over a paged KV store.
+//!
+//! The query heads sharing one KV head are processed together so each cached key
+//! and value is read once per group. The inner loops are plain Rust written with
+//! 16 independent lanes so the compiler vectorizes them; on AVX-512 machines the same
+//! code is compiled again with those features enabled (see `avx512::attend`).
+
+/// Geometry of one layer of the paged KV store: `[block][k|v][kv_head][slot][dim]`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvLayout {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Dimensions per head.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Floats of one block (keys and values of every head).
+    #[must_use]
+    pub fn block_floats(&self) -> usize {
+        2 * self.kv_heads * self.block_size * self.head_dim
+    }
+
+    /// Offset of `(block, k_or_v, head)` within a layer.
+    #[must_use]
+    pub fn offset(&self, block: usize, v: bool, head: usize) -> usize {
+        block * self.block_floats() + (usize::from(v) * self.kv_heads + head) * self.block_size * self.head_dim
+    }
+}
+
+/// One attention problem: a query token of a group of heads.
+#[derive(Debug)]
+pub struct AttnQuery<'a> {
+    /// The layer's KV floats.
+    pub layer: &'a [f32],
+    /// Its geometry.
+    pub layout: KvLayout,
+    /// The sequence's block table.
+    pub table: &'a [u32],
+    /// Position of the query token; it attends to positions `0..=pos`.
+    pub pos: usize,
+    /// KV head index.
+    pub kv_head: usize,
+    /// Query vectors of the heads sharing `kv_head`, `group * head_dim`.
+    pub q: &'a [f32],
+    /// `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+const LANES: usize = 16;
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut ca = a.chunks_exact(LANES);
+    let mut cb = b.chunks_exact(LANES);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Computes the attention output of every query head in `query.q` into `out`
+/// (same shape), using `scores` as scratch.
+///
+/// # Panics
+/// When the block table does not cover `pos` or a block lies outside `layer`.
+#[inline(always)]
+pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let AttnQuery { layer, layout, table, pos, kv_head, q, scale } = *query;
+    let (bs, hd) = (layout.block_size, layout.head_dim);
+    let group = q.len() / hd;
+    let ctx = pos + 1;
+    scores.clear();
+    scores.resize(group * ctx, 0.0);
+    let nblk = ctx.div_ceil(bs);
+    for (bi, &block) in table[..nblk].iter().enumerate() {
+        let n = bs.min(ctx - bi * bs);
+        let kb = &layer[layout.offset(block as usize, false, kv_head)..][..n * hd];
+        for (s, k) in kb.chunks_exact(hd).enumerate() {
+            for h in 0..group {
+                scores[h * ctx + bi * bs + s] = dot(&q[h * hd..(h + 1) * hd], k) * scale;
+            }
+        }
+    }
+    for h in 0..group {
+        super::ops::softmax_in_place(&mut scores[h * ctx..(h + 1) * ctx]);
+    }
+    out.fill(0.0);
+    for (bi, &block) in table[..nblk].iter().enumerate() {
+        let n = bs.min(ctx - bi * bs);
+        let vb = &layer[layout.offset(block as usize, true, kv_head)..][..n * hd];
+        for (s, v) in vb.chunks_exact(hd).enumerate() {
+            for h in 0..group {
+                axpy(&mut out[h * hd..(h + 1) * hd], scores[h * ctx + bi * bs + s], v);
+            }
+        }
+    }
+}
+
+/// [`attend_impl`] compiled for the best instruction set available.
+pub fn attend(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::Isa::detect() == super::Isa::Avx512Vnni {
+        super::avx512::attend(query, scores, out);
+        return;
+    }
+    attend_impl(query, scores, out);
+}

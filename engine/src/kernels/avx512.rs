@@ -1,0 +1,132 @@
+//! AVX-512 VNNI integer kernel over the packed layout (see [`super::pack`]).
+//!
+//! For one group of 16 rows and a tile of up to four activation rows, each block
+//! costs eight `vpdpbusd` per activation row (u8 weights × i8 activations, 64 MACs
+//! each), one conversion and two FMAs; the unpacked weight vectors are reused across
+//! the tile. Callers must have checked [`available`] first.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m512, __m512i, _mm512_add_epi32, _mm512_and_si512, _mm512_castsi512_si256, _mm512_cvtepi32_ps,
+    _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_extracti64x4_epi64, _mm512_fmadd_ps, _mm512_load_si512,
+    _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
+    _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+};
+
+use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
+use super::quant::QK;
+
+/// Whether this CPU runs the kernel.
+#[must_use]
+pub fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// Computes row group `g` of `w` times every activation row of `x` into
+/// `out[t * GROUP + lane]`.
+///
+/// # Panics
+/// When the shapes disagree, or when called on a CPU without the features
+/// [`available`] checks.
+pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
+    assert!(available(), "AVX-512 VNNI kernel called on a CPU without it");
+    assert!(x.cols == w.cols() && out.len() >= x.n * GROUP && g < w.groups());
+    assert!(x.q.len() >= x.n * x.cols && x.d.len() >= x.n * w.nblocks());
+    assert!(x.s.len() == x.d.len() && x.qsum.len() == x.d.len());
+    let nibble = w.kind() == PackedKind::Nibble;
+    let mut t = 0;
+    while t < x.n {
+        let nt = (x.n - t).min(4);
+        let o = &mut out[t * GROUP..(t + nt) * GROUP];
+        // SAFETY: the features were checked above; shapes (group in range, activation
+        // rows t..t+nt within x, o holding nt*16 floats) were asserted above.
+        unsafe {
+            match (nt, nibble) {
+                (4, true) => tile::<4, true>(w, g, x, t, o),
+                (4, false) => tile::<4, false>(w, g, x, t, o),
+                (3, true) => tile::<3, true>(w, g, x, t, o),
+                (3, false) => tile::<3, false>(w, g, x, t, o),
+                (2, true) => tile::<2, true>(w, g, x, t, o),
+                (2, false) => tile::<2, false>(w, g, x, t, o),
+                (_, true) => tile::<1, true>(w, g, x, t, o),
+                (_, false) => tile::<1, false>(w, g, x, t, o),
+            }
+        }
+        t += nt;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+unsafe fn tile<const NT: usize, const NIBBLE: bool>(w: &PackedMatrix, g: usize, x: &QuantActs, t0: usize, out: &mut [f32]) {
+    let nb = w.nblocks();
+    let stride = w.stride();
+    let cols = x.cols;
+    let gdata = &w.data()[g * w.group_bytes()..][..w.group_bytes()];
+    let mut acc: [__m512; NT] = [_mm512_setzero_ps(); NT];
+    let mask = _mm512_set1_epi8(0x0f);
+    for b in 0..nb {
+        let blk = gdata[b * stride..][..stride].as_ptr();
+        let mut wv: [__m512i; 8] = [_mm512_setzero_si512(); 8];
+        // SAFETY: blk points at `stride` bytes (64 scale bytes + 256 or 512 quant
+        // bytes) starting 64-byte aligned, as PackedMatrix guarantees.
+        let sc = unsafe { _mm512_load_si512(blk.cast()) };
+        let dv = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+        let mv = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(sc));
+        if NIBBLE {
+            for i in 0..4 {
+                // SAFETY: chunk i of the 256 nibble bytes lies within the block.
+                let v = unsafe { _mm512_load_si512(blk.add(64 + i * 64).cast()) };
+                wv[i] = _mm512_and_si512(v, mask);
+                wv[4 + i] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+            }
+        } else {
+            for (j, v) in wv.iter_mut().enumerate() {
+                // SAFETY: chunk j of the 512 byte quants lies within the block.
+                *v = unsafe { _mm512_load_si512(blk.add(64 + j * 64).cast()) };
+            }
+        }
+        for (t, a) in acc.iter_mut().enumerate() {
+            let row = t0 + t;
+            let xb = &x.q[row * cols + b * QK..][..QK];
+            let dword = |j: usize| i32::from_le_bytes([xb[4 * j] as u8, xb[4 * j + 1] as u8, xb[4 * j + 2] as u8, xb[4 * j + 3] as u8]);
+            let mut i0 = _mm512_setzero_si512();
+            let mut i1 = _mm512_setzero_si512();
+            for j in (0..8).step_by(2) {
+                i0 = _mm512_dpbusd_epi32(i0, wv[j], _mm512_set1_epi32(dword(j)));
+                i1 = _mm512_dpbusd_epi32(i1, wv[j + 1], _mm512_set1_epi32(dword(j + 1)));
+            }
+            let mut isum = _mm512_add_epi32(i0, i1);
+            let bi = row * nb + b;
+            if !NIBBLE {
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.qsum[bi]));
+            }
+            *a = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(x.d[bi])), _mm512_cvtepi32_ps(isum), *a);
+            if NIBBLE {
+                *a = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[bi]), *a);
+            }
+        }
+    }
+    for (t, a) in acc.iter().enumerate() {
+        let o = &mut out[t * GROUP..(t + 1) * GROUP];
+        // SAFETY: o holds exactly 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+    }
+}
+
+/// [`super::attention::attend_impl`] compiled with AVX-512 enabled.
+///
+/// # Panics
+/// When called on a CPU without the features [`available`] checks.
+pub fn attend(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    assert!(available(), "AVX-512 attention called on a CPU without it");
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { attend_avx512(query, scores, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+fn attend_avx512(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    super::attention::attend_impl(query, scores, out);
+}

@@ -1,0 +1,149 @@
+//! Float element-wise operations of the llama forward pass, written as ggml writes
+//! them (same formulas and accumulation precision) so results stay close to
+//! llama.cpp's.
+
+/// RMSNorm of each `dim`-sized row of `x` into `out`, times `weight`:
+/// `out = x / sqrt(mean(x²) + eps) * weight` (sum of squares in f64, like ggml).
+///
+/// # Panics
+/// When `weight.len() != dim` or the buffers are not whole rows of equal length.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    assert!(dim > 0 && x.len() == out.len() && x.len() % dim == 0);
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let sum: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let mean = (sum / dim as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// `x += y`.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn add_in_place(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len());
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// SwiGLU on a fused `[gate | up]` row layout: for each row of `2 * ffn` values,
+/// `out = silu(gate) * up` with `silu(g) = g / (1 + e^-g)`.
+///
+/// # Panics
+/// When `gate_up` is not `2 * ffn` times the rows of `out`.
+pub fn swiglu(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+    assert!(ffn > 0 && gate_up.len() == 2 * out.len() && out.len() % ffn == 0);
+    for (gu, o) in gate_up.chunks_exact(2 * ffn).zip(out.chunks_exact_mut(ffn)) {
+        let (g, u) = gu.split_at(ffn);
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+}
+
+/// Cosines and sines of ggml's "normal" RoPE for one position: pair `i` (dims `2i`,
+/// `2i+1`) rotates by `pos * base^(-2i/n_dims)`. The angle is advanced by repeated
+/// f32 multiplication, as ggml does, to round the same way.
+#[must_use]
+pub fn rope_table(pos: usize, n_dims: usize, freq_base: f32) -> Vec<(f32, f32)> {
+    let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
+    let mut theta = pos as f32;
+    (0..n_dims / 2)
+        .map(|_| {
+            let cs = (theta.cos(), theta.sin());
+            theta *= theta_scale;
+            cs
+        })
+        .collect()
+}
+
+/// Rotates every `head_dim` head of `x` in place with `table` (from [`rope_table`]),
+/// rotating adjacent pairs (`x[2i]`, `x[2i+1]`) — ggml's normal mode, which the
+/// permuted Q/K weights in llama GGUF files expect. Dimensions past the table stay.
+///
+/// # Panics
+/// When `x` is not a whole number of heads or the table is wider than a head.
+pub fn rope_in_place(x: &mut [f32], head_dim: usize, table: &[(f32, f32)]) {
+    assert!(head_dim > 0 && x.len() % head_dim == 0 && table.len() * 2 <= head_dim);
+    for head in x.chunks_exact_mut(head_dim) {
+        for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
+            let (x0, x1) = (pair[0], pair[1]);
+            pair[0] = x0 * c - x1 * s;
+            pair[1] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/// Numerically stable in-place softmax.
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += f64::from(*v);
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Log-softmax of `x` (for scoring): `x - max - ln(sum(exp(x - max)))`.
+#[must_use]
+pub fn log_softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    x.iter().map(|&v| (f64::from(v) - lse) as f32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_unit_rows() {
+        let x = [3.0, 4.0, 0.0, 0.0];
+        let mut out = [0.0; 4];
+        rms_norm(&x, &[1.0, 1.0, 2.0, 2.0], 0.0, &mut out);
+        let s = 1.0 / (25.0f32 / 4.0).sqrt();
+        assert_eq!(out, [3.0 * s, 4.0 * s, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_preserves_norm() {
+        let table = rope_table(3, 4, 10000.0);
+        let mut x = [1.0, 0.0, 0.0, 1.0];
+        rope_in_place(&mut x, 4, &table);
+        assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[1] - 3f32.sin()).abs() < 1e-6);
+        let th = 3.0 * 10000f32.powf(-0.5);
+        assert!((x[2] + th.sin()).abs() < 1e-5 && (x[3] - th.cos()).abs() < 1e-5);
+        let zero = rope_table(0, 4, 10000.0);
+        assert!(zero.iter().all(|&(c, s)| c == 1.0 && s == 0.0));
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_log_softmax_agrees() {
+        let mut x = vec![1.0, 2.0, 3.0, -1000.0];
+        let ls = log_softmax(&x);
+        softmax_in_place(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        for (p, l) in x.iter().zip(&ls) {
+            assert!((p - l.exp()).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_formula() {
+        let gu = [1.0, -2.0, 3.0, 4.0];
+        let mut out = [0.0; 2];
+        swiglu(&gu, 2, &mut out);
+        assert!((out[0] - 3.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+        assert!((out[1] - 4.0 * -2.0 / (1.0 + 2f32.exp())).abs() < 1e-6);
+    }
+}
