@@ -1,0 +1,251 @@
+//! The CPU [`ModelRunner`]: a batched llama forward pass over the integer kernels,
+//! on a persistent rayon pool.
+//!
+//! All tokens of a step go through each matrix product together (one weight pass per
+//! step, however many sequences), then attention runs per (token, KV head) against
+//! the paged store. Within a layer every token's keys and values are stored before
+//! any attention, so a prefill chunk sees its own earlier tokens. Per-token results
+//! do not depend on what else is in the batch: the kernels compute each token's row
+//! with the same operations in the same order.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::{Batch, BackendError, KvGeometry, Logits, LogitsWanted, ModelRunner};
+use crate::kernels::attention::{AttnQuery, KvLayout, attend};
+use crate::kernels::{Isa, QuantActs, ops};
+use crate::kv::KvCache;
+use crate::model::llama::{Linear, LlamaConfig, LlamaWeights};
+
+/// Settings of the CPU backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuConfig {
+    /// Worker threads (0: one per available core).
+    pub threads: usize,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// KV blocks per layer.
+    pub num_blocks: usize,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        Self { threads: 0, block_size: 16, num_blocks: 1024 }
+    }
+}
+
+impl CpuConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.block_size == 0 || self.num_blocks == 0 {
+            return Err(format!("KV store needs blocks of at least one position, got {self:?}"));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    ffn: Vec<f32>,
+    acts: QuantActs,
+    mm: Vec<f32>,
+}
+
+/// The CPU backend: weights, KV store, thread pool, scratch buffers.
+pub struct CpuBackend {
+    weights: Arc<LlamaWeights>,
+    kv: KvCache,
+    pool: Arc<rayon::ThreadPool>,
+    isa: Isa,
+    scratch: Scratch,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend").field("isa", &self.isa).field("threads", &self.pool.current_num_threads()).finish_non_exhaustive()
+    }
+}
+
+impl CpuBackend {
+    /// A backend over `weights` with a fresh KV store.
+    ///
+    /// # Errors
+    /// An invalid config or a thread pool that cannot start.
+    pub fn new(weights: Arc<LlamaWeights>, config: &CpuConfig) -> Result<Self, String> {
+        config.validate()?;
+        let c = &weights.config;
+        let layout = KvLayout { block_size: config.block_size, kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+        let kv = KvCache::new(c.n_layers, config.num_blocks, layout);
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(config.threads).build().map_err(|e| e.to_string())?);
+        let isa = Isa::detect();
+        tracing::info!(?isa, threads = pool.current_num_threads(), blocks = config.num_blocks, "CPU backend ready");
+        Ok(Self { weights, kv, pool, isa, scratch: Scratch::default() })
+    }
+
+    /// Forces an instruction set (tests compare the portable and SIMD paths).
+    pub fn set_isa(&mut self, isa: Isa) {
+        self.isa = isa;
+    }
+
+    fn validate(&self, batch: &Batch) -> Result<(), BackendError> {
+        let c = &self.weights.config;
+        let bs = self.kv.layout().block_size;
+        let mut written = std::collections::HashSet::new();
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let bad = |m: String| Err(BackendError::InvalidBatch(format!("sequence {i}: {m}")));
+            if s.tokens.is_empty() {
+                return bad("no tokens".into());
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+                return bad(format!("token {t} outside the vocabulary of {}", c.vocab));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if s.block_table.len() < end.div_ceil(bs) {
+                return bad(format!("block table of {} blocks cannot hold {end} positions", s.block_table.len()));
+            }
+            if let Some(b) = s.block_table[..end.div_ceil(bs)].iter().find(|&&b| b as usize >= self.kv.num_blocks()) {
+                return bad(format!("block {b} outside the KV store of {}", self.kv.num_blocks()));
+            }
+            for bi in s.start_pos / bs..end.div_ceil(bs) {
+                if !written.insert(s.block_table[bi]) {
+                    return bad(format!("block {} is written by two sequences", s.block_table[bi]));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_linear(isa: Isa, parts: &[Linear], x: &[f32], n: usize, sc_acts: &mut QuantActs, mm: &mut Vec<f32>, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        let rows: usize = parts.iter().map(Linear::rows).sum();
+        out.resize(n * rows, 0.0);
+        if let [only] = parts {
+            only.forward(isa, x, n, sc_acts, mm, out)?;
+            return Ok(());
+        }
+        let mut r0 = 0;
+        let mut part_out = Vec::new();
+        for p in parts {
+            part_out.resize(n * p.rows(), 0.0);
+            p.forward(isa, x, n, sc_acts, mm, &mut part_out)?;
+            for (t, src) in part_out.chunks_exact(p.rows()).enumerate() {
+                out[t * rows + r0..t * rows + r0 + p.rows()].copy_from_slice(src);
+            }
+            r0 += p.rows();
+        }
+        Ok(())
+    }
+
+    fn forward_inner(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+        let w = Arc::clone(&self.weights);
+        let c = &w.config;
+        let isa = self.isa;
+        let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
+        let group = c.n_heads / c.n_kv_heads;
+        let layout = self.kv.layout();
+        let bs = layout.block_size;
+        let n: usize = batch.num_tokens();
+        // Per token: position, owning chunk and RoPE table.
+        let mut pos = Vec::with_capacity(n);
+        let mut seq_of = Vec::with_capacity(n);
+        for (i, s) in batch.seqs.iter().enumerate() {
+            for j in 0..s.tokens.len() {
+                pos.push(s.start_pos + j);
+                seq_of.push(i);
+            }
+        }
+        let rope: Vec<Vec<(f32, f32)>> = pos.iter().map(|&p| ops::rope_table(p, c.rope_dims, c.rope_base)).collect();
+        let sc = &mut self.scratch;
+        sc.x.resize(n * dim, 0.0);
+        for (t, tok) in batch.seqs.iter().flat_map(|s| s.tokens.iter()).enumerate() {
+            w.embed.lookup(*tok, &mut sc.x[t * dim..(t + 1) * dim])?;
+        }
+        sc.h.resize(n * dim, 0.0);
+        sc.attn.resize(n * dim, 0.0);
+        sc.ffn.resize(n * c.ffn_dim, 0.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (li, layer) in w.layers.iter().enumerate() {
+            ops::rms_norm(&sc.x, &layer.attn_norm, c.norm_eps, &mut sc.h);
+            Self::run_linear(isa, &layer.qkv, &sc.h, n, &mut sc.acts, &mut sc.mm, &mut sc.qkv)?;
+            let qkv_w = dim + 2 * kvd;
+            for t in 0..n {
+                let row = &mut sc.qkv[t * qkv_w..(t + 1) * qkv_w];
+                ops::rope_in_place(&mut row[..dim + kvd], hd, &rope[t]);
+                let (k, v) = row[dim..].split_at(kvd);
+                let s = &batch.seqs[seq_of[t]];
+                self.kv.write(li, s.block_table[pos[t] / bs], pos[t] % bs, k, v);
+            }
+            let kv_layer = self.kv.layer(li);
+            let qkv = &sc.qkv;
+            let (pos, seq_of) = (&pos, &seq_of);
+            sc.attn.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
+                let (t, kh) = (i / c.n_kv_heads, i % c.n_kv_heads);
+                let q = &qkv[t * qkv_w + kh * group * hd..][..group * hd];
+                let query = AttnQuery { layer: kv_layer, layout, table: &batch.seqs[seq_of[t]].block_table, pos: pos[t], kv_head: kh, q, scale };
+                attend(&query, scores, out);
+            });
+            Self::run_linear(isa, std::slice::from_ref(&layer.wo), &sc.attn, n, &mut sc.acts, &mut sc.mm, &mut sc.proj)?;
+            ops::add_in_place(&mut sc.x, &sc.proj);
+            ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
+            Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.mm, &mut sc.gate_up)?;
+            ops::swiglu(&sc.gate_up, c.ffn_dim, &mut sc.ffn);
+            Self::run_linear(isa, std::slice::from_ref(&layer.down), &sc.ffn, n, &mut sc.acts, &mut sc.mm, &mut sc.proj)?;
+            ops::add_in_place(&mut sc.x, &sc.proj);
+        }
+        // Only the rows someone asked for go through the (large) output head.
+        let mut spans = Vec::with_capacity(batch.seqs.len());
+        let mut rows = Vec::new();
+        let mut t0 = 0;
+        for s in &batch.seqs {
+            let len = s.tokens.len();
+            let start = rows.len();
+            match s.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => rows.push(t0 + len - 1),
+                LogitsWanted::All => rows.extend(t0..t0 + len),
+            }
+            spans.push(start..rows.len());
+            t0 += len;
+        }
+        let m = rows.len();
+        let mut sel = Vec::with_capacity(m * dim);
+        for &r in &rows {
+            sel.extend_from_slice(&sc.x[r * dim..(r + 1) * dim]);
+        }
+        sc.h.resize(m * dim, 0.0);
+        ops::rms_norm(&sel, &w.output_norm, c.norm_eps, &mut sc.h);
+        let mut data = Vec::new();
+        Self::run_linear(isa, std::slice::from_ref(&w.output), &sc.h, m, &mut sc.acts, &mut sc.mm, &mut data)?;
+        Ok(Logits { vocab: c.vocab, data, spans })
+    }
+}
+
+impl ModelRunner for CpuBackend {
+    fn config(&self) -> &LlamaConfig {
+        &self.weights.config
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        KvGeometry { block_size: self.kv.layout().block_size, num_blocks: self.kv.num_blocks() }
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+        self.validate(batch)?;
+        if batch.seqs.is_empty() {
+            return Ok(Logits { vocab: self.weights.config.vocab, ..Logits::default() });
+        }
+        // Running the whole step inside the pool keeps the caller's thread a worker,
+        // so each product's fork/join does not cross into a sleeping thread.
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.forward_inner(batch))
+    }
+}

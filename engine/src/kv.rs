@@ -1,0 +1,209 @@
+//! Paged key/value storage and a minimal block allocator.
+//!
+//! [`KvCache`] is only storage: `num_blocks` fixed-size blocks per layer, addressed by
+//! block id through each sequence's block table (position `p` lives in block
+//! `table[p / block_size]`, slot `p % block_size`). Which blocks a sequence owns is
+//! decided outside it — by [`BlockAllocator`] here, and by the serving scheduler's
+//! block manager later — so allocation policy never touches the tensors.
+
+use crate::kernels::attention::KvLayout;
+
+/// Errors from the allocator.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KvError {
+    /// Not enough free blocks.
+    #[error("out of KV blocks: need {need}, {free} free")]
+    OutOfBlocks {
+        /// Blocks requested.
+        need: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A block returned that was not handed out (double free or foreign id).
+    #[error("block {0} is not allocated")]
+    NotAllocated(u32),
+}
+
+/// Float storage for keys and values of every layer, in blocks.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: usize,
+    num_blocks: usize,
+    layout: KvLayout,
+    data: Vec<f32>,
+}
+
+impl KvCache {
+    /// Zeroed storage for `num_blocks` blocks in each of `layers` layers.
+    #[must_use]
+    pub fn new(layers: usize, num_blocks: usize, layout: KvLayout) -> Self {
+        let data = vec![0f32; layers * num_blocks * layout.block_floats()];
+        Self { layers, num_blocks, layout, data }
+    }
+
+    /// Block geometry.
+    #[must_use]
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Blocks per layer.
+    #[must_use]
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Layers.
+    #[must_use]
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    fn layer_floats(&self) -> usize {
+        self.num_blocks * self.layout.block_floats()
+    }
+
+    /// All blocks of one layer.
+    ///
+    /// # Panics
+    /// When `layer` is out of range.
+    #[must_use]
+    pub fn layer(&self, layer: usize) -> &[f32] {
+        let n = self.layer_floats();
+        &self.data[layer * n..(layer + 1) * n]
+    }
+
+    /// Stores the keys and values (`kv_heads * head_dim` each) of one position.
+    ///
+    /// # Panics
+    /// When `layer`, `block` or `slot` is out of range or the vectors have the wrong size.
+    pub fn write(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+        let l = self.layout;
+        assert!(slot < l.block_size && (block as usize) < self.num_blocks);
+        assert!(k.len() == l.kv_heads * l.head_dim && v.len() == k.len());
+        let base = layer * self.layer_floats();
+        for h in 0..l.kv_heads {
+            for (src, is_v) in [(k, false), (v, true)] {
+                let at = base + l.offset(block as usize, is_v, h) + slot * l.head_dim;
+                self.data[at..at + l.head_dim].copy_from_slice(&src[h * l.head_dim..(h + 1) * l.head_dim]);
+            }
+        }
+    }
+}
+
+/// A free list of block ids (the serving issue replaces it with a reference-counted
+/// block manager; this one serves the CLI, tests and benchmarks).
+#[derive(Debug)]
+pub struct BlockAllocator {
+    free: Vec<u32>,
+    used: Vec<bool>,
+}
+
+impl BlockAllocator {
+    /// All `num_blocks` blocks free.
+    #[must_use]
+    pub fn new(num_blocks: usize) -> Self {
+        let free = (0..num_blocks as u32).rev().collect();
+        Self { free, used: vec![false; num_blocks] }
+    }
+
+    /// Free blocks.
+    #[must_use]
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Takes `n` blocks.
+    ///
+    /// # Errors
+    /// [`KvError::OutOfBlocks`] (taking none) when fewer than `n` are free.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>, KvError> {
+        if n > self.free.len() {
+            return Err(KvError::OutOfBlocks { need: n, free: self.free.len() });
+        }
+        let out = self.free.split_off(self.free.len() - n);
+        for &b in &out {
+            self.used[b as usize] = true;
+        }
+        Ok(out)
+    }
+
+    /// Grows `table` so it covers `positions` positions of `block_size`.
+    ///
+    /// # Errors
+    /// [`KvError::OutOfBlocks`] when the blocks are not there (the table is unchanged).
+    pub fn ensure(&mut self, table: &mut Vec<u32>, positions: usize, block_size: usize) -> Result<(), KvError> {
+        let need = positions.div_ceil(block_size).saturating_sub(table.len());
+        table.extend(self.allocate(need)?);
+        Ok(())
+    }
+
+    /// Returns blocks.
+    ///
+    /// # Errors
+    /// [`KvError::NotAllocated`] for an id that is not currently allocated; the ids
+    /// before it are freed.
+    pub fn release(&mut self, blocks: &[u32]) -> Result<(), KvError> {
+        for &b in blocks {
+            match self.used.get_mut(b as usize) {
+                Some(u) if *u => {
+                    *u = false;
+                    self.free.push(b);
+                }
+                _ => return Err(KvError::NotAllocated(b)),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn free_plus_used_is_total(ops in proptest::collection::vec((any::<bool>(), 0usize..5), 1..60)) {
+            let total = 16;
+            let mut a = BlockAllocator::new(total);
+            let mut held: Vec<Vec<u32>> = Vec::new();
+            for (alloc, n) in ops {
+                if alloc {
+                    if let Ok(b) = a.allocate(n) { held.push(b) }
+                } else if let Some(b) = held.pop() {
+                    a.release(&b).unwrap();
+                }
+                let used: Vec<u32> = held.iter().flatten().copied().collect();
+                let mut dedup = used.clone();
+                dedup.sort_unstable();
+                dedup.dedup();
+                prop_assert_eq!(dedup.len(), used.len(), "a block was handed out twice");
+                prop_assert_eq!(used.len() + a.free_blocks(), total);
+            }
+        }
+    }
+
+    #[test]
+    fn double_free_and_exhaustion_are_errors() {
+        let mut a = BlockAllocator::new(2);
+        let b = a.allocate(2).unwrap();
+        assert_eq!(a.allocate(1), Err(KvError::OutOfBlocks { need: 1, free: 0 }));
+        a.release(&b).unwrap();
+        assert_eq!(a.release(&b[..1]), Err(KvError::NotAllocated(b[0])));
+        let mut table = Vec::new();
+        a.ensure(&mut table, 17, 16).unwrap();
+        assert_eq!(table.len(), 2);
+    }
+
+    #[test]
+    fn writes_land_where_the_layout_says() {
+        let layout = KvLayout { block_size: 4, kv_heads: 2, head_dim: 3 };
+        let mut kv = KvCache::new(2, 3, layout);
+        kv.write(1, 2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[7.0, 8.0, 9.0, 10.0, 11.0, 12.0]);
+        let l = kv.layer(1);
+        assert_eq!(&l[layout.offset(2, false, 1) + 9..][..3], &[4.0, 5.0, 6.0]);
+        assert_eq!(&l[layout.offset(2, true, 0) + 9..][..3], &[7.0, 8.0, 9.0]);
+        assert!(kv.layer(0).iter().all(|&v| v == 0.0));
+    }
+}

@@ -1,0 +1,208 @@
+//! Token sampling: greedy, temperature, top-k, top-p, and repetition / frequency /
+//! presence penalties, with a seeded RNG so the same seed gives the same tokens.
+//!
+//! Order (as llama.cpp's default chain): penalties on the raw logits, then top-k,
+//! temperature, softmax, top-p, and a draw. Temperature 0 is greedy (argmax, lowest
+//! id on ties) and consumes no randomness.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Sampling settings of one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches `p` (1.0: all).
+    pub top_p: f32,
+    /// RNG seed.
+    pub seed: u64,
+    /// Divides positive (multiplies negative) logits of tokens already seen (1.0: off).
+    pub repetition_penalty: f32,
+    /// Subtracted once per previous occurrence (0: off).
+    pub frequency_penalty: f32,
+    /// Subtracted once if the token occurred (0: off).
+    pub presence_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, repetition_penalty: 1.0, frequency_penalty: 0.0, presence_penalty: 0.0 }
+    }
+}
+
+impl SamplingParams {
+    /// Checks the ranges.
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        if !self.frequency_penalty.is_finite() || !self.presence_penalty.is_finite() {
+            return Err("penalties must be finite".into());
+        }
+        Ok(())
+    }
+}
+
+/// Index of the largest value (the lowest index among equal maxima).
+#[must_use]
+pub fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// A sampler with its own RNG stream.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// A sampler seeded from `params.seed`.
+    #[must_use]
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = StdRng::seed_from_u64(params.seed);
+        Self { params, rng }
+    }
+
+    /// Picks the next token from `logits` given the tokens so far (`history`, used
+    /// by the penalties).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        let mut l = logits.to_vec();
+        let penalize = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+        if penalize {
+            let mut counts = std::collections::HashMap::<u32, u32>::new();
+            for &t in history {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (&t, &n) in &counts {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                    *v -= n as f32 * p.frequency_penalty + p.presence_penalty;
+                }
+            }
+        }
+        if p.temperature == 0.0 {
+            return argmax(&l) as u32;
+        }
+        let mut cand: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 {
+            cand.truncate(p.top_k);
+        }
+        let max = cand[0].1;
+        let mut probs: Vec<f64> = cand.iter().map(|&(_, v)| f64::from((v - max) / p.temperature).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, q) in probs.iter().enumerate() {
+                acc += q / total;
+                if acc >= f64::from(p.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        let mut r = self.rng.random::<f64>() * total;
+        for (i, q) in probs.iter().enumerate() {
+            if r < *q {
+                return cand[i].0;
+            }
+            r -= q;
+        }
+        cand[keep - 1].0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32) -> SamplingParams {
+        SamplingParams { temperature, seed: 7, ..SamplingParams::default() }
+    }
+
+    #[test]
+    fn greedy_picks_argmax_lowest_on_ties() {
+        let mut s = Sampler::new(params(0.0));
+        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0], &[]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_different_seed_differs() {
+        let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let run = |seed| {
+            let mut s = Sampler::new(SamplingParams { seed, ..params(1.0) });
+            (0..64).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let logits = [0.5, 2.0, 1.9, 0.0];
+        let mut k = Sampler::new(SamplingParams { top_k: 1, ..params(5.0) });
+        let mut p = Sampler::new(SamplingParams { top_p: 0.01, ..params(5.0) });
+        for _ in 0..32 {
+            assert_eq!(k.sample(&logits, &[]), 1);
+            assert_eq!(p.sample(&logits, &[]), 1);
+        }
+    }
+
+    #[test]
+    fn top_k_bounds_the_candidates() {
+        let logits = [1.0, 1.0, 1.0, 1.0, -5.0];
+        let mut s = Sampler::new(SamplingParams { top_k: 2, ..params(1.0) });
+        let seen: std::collections::HashSet<u32> = (0..200).map(|_| s.sample(&logits, &[])).collect();
+        assert_eq!(seen, [0, 1].into_iter().collect());
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        // p(0) = e^2 / (e^2 + 1) ≈ 0.88 at temperature 1.
+        let mut s = Sampler::new(params(1.0));
+        let zeros = (0..2000).filter(|_| s.sample(&[2.0, 0.0], &[]) == 0).count();
+        assert!((1650..1870).contains(&zeros), "{zeros}");
+    }
+
+    #[test]
+    fn penalties_move_greedy_away_from_repeats() {
+        let logits = [2.0, 1.9, 0.0];
+        let mut rep = Sampler::new(SamplingParams { repetition_penalty: 1.2, ..params(0.0) });
+        assert_eq!(rep.sample(&logits, &[0]), 1);
+        let mut freq = Sampler::new(SamplingParams { frequency_penalty: 0.06, ..params(0.0) });
+        assert_eq!(freq.sample(&logits, &[0]), 0);
+        assert_eq!(freq.sample(&logits, &[0, 0]), 1);
+        let mut pres = Sampler::new(SamplingParams { presence_penalty: 0.5, ..params(0.0) });
+        assert_eq!(pres.sample(&logits, &[0, 0, 0]), 1);
+    }
+
+    #[test]
+    fn validate_rejects_bad_ranges() {
+        assert!(SamplingParams { temperature: -1.0, ..SamplingParams::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: 0.0, ..SamplingParams::default() }.validate().is_err());
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}
