@@ -12,9 +12,13 @@ pub fn repo_root() -> PathBuf {
     manifest_dir.parent().unwrap_or(manifest_dir).to_owned()
 }
 
-/// `manifests/crds/`: the generated CustomResourceDefinitions.
+/// `manifests/crds/`: the generated CustomResourceDefinitions, unless
+/// `SLIPWAY_E2E_CRDS_DIR` names another directory (to try a candidate CRD on
+/// the real API server before regenerating the checked-in one).
 pub fn crds_dir() -> PathBuf {
-    repo_root().join("manifests").join("crds")
+    std::env::var_os("SLIPWAY_E2E_CRDS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("manifests").join("crds"))
 }
 
 /// `manifests/samples/`: example objects that must always be accepted.

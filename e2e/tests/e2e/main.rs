@@ -99,5 +99,6 @@ fn run_one(name: &'static str, test: TestFn, cluster: Arc<Cluster>) -> Result<()
     let context = support::TestContext::new(name, cluster);
     runtime
         .block_on(test(context))
-        .map_err(|error| Failed::from(format!("{error:?}")))
+        // `{:#}`: the whole cause chain on one line, without a backtrace.
+        .map_err(|error| Failed::from(format!("{error:#}")))
 }
