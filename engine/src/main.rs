@@ -1,0 +1,94 @@
+//! `slipway-engine`: the engine's command line.
+//!
+//! Subcommands are variants of [`Command`], each with its own `clap::Args` struct
+//! and `run_*` function; `generate` and `score` join `tokenize` here. The engine
+//! never downloads: `--model` (or `SLIPWAY_MODEL`) names a local GGUF file.
+//! Results go to stdout; logs go to stderr (`RUST_LOG` filters them).
+
+mod commands;
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use slipway_engine::model::gguf::GgufFile;
+use slipway_engine::tokenizer::{DecodeOptions, EncodeOptions, Tokenizer};
+
+#[derive(Debug, Parser)]
+#[command(name = "slipway-engine", version, about = "Slipway inference engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Turn text into the model's token ids (special tokens such as
+    /// <|im_start|> are recognised; BOS/EOS are added as the model's metadata says).
+    Tokenize(TokenizeArgs),
+    /// Generate a continuation of a prompt (greedy by default).
+    Generate(commands::GenerateArgs),
+    /// Teacher-forced scoring: per position the actual next token's log-probability,
+    /// the argmax and the top-k, plus the perplexity.
+    Score(commands::ScoreArgs),
+    /// Measure prompt processing, single-stream and aggregate decode tokens/s.
+    Bench(commands::BenchArgs),
+}
+
+/// Where the model file is.
+#[derive(Debug, Args)]
+struct ModelArgs {
+    /// Path of a GGUF model file (`make model` fetches the test model).
+    #[arg(long, env = "SLIPWAY_MODEL", value_name = "PATH")]
+    model: PathBuf,
+}
+
+#[derive(Debug, Args)]
+struct TokenizeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text to tokenize.
+    #[arg(long)]
+    text: String,
+    /// Print `{"tokens":[...]}` instead of one `id<TAB>piece` line per token.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Tokenize(args) => run_tokenize(&args),
+        Command::Generate(args) => commands::run_generate(&args),
+        Command::Score(args) => commands::run_score(&args),
+        Command::Bench(args) => commands::run_bench(&args),
+    }
+}
+
+fn open_tokenizer(model: &ModelArgs) -> anyhow::Result<(GgufFile, Tokenizer)> {
+    let file = GgufFile::open(&model.model)?;
+    let tokenizer = Tokenizer::from_metadata(file.metadata())
+        .with_context(|| format!("loading the tokenizer of {}", model.model.display()))?;
+    Ok((file, tokenizer))
+}
+
+fn run_tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
+    let (_file, tokenizer) = open_tokenizer(&args.model)?;
+    let tokens = tokenizer.encode_with(&args.text, EncodeOptions::default());
+    if args.json {
+        println!("{}", serde_json::json!({ "tokens": tokens }));
+    } else {
+        for &id in &tokens {
+            let piece = tokenizer.decode_with(&[id], DecodeOptions::default())?;
+            println!("{id}\t{piece:?}");
+        }
+    }
+    Ok(())
+}

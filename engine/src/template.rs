@@ -1,0 +1,454 @@
+//! Chat templates: the Jinja template stored in a GGUF (`tokenizer.chat_template`)
+//! rendered with `minijinja` the way Hugging Face `transformers` renders it, so a
+//! chat request becomes exactly the prompt the model was trained on.
+//!
+//! What `transformers.apply_chat_template` provides and we reproduce:
+//! - environment options `trim_blocks` and `lstrip_blocks` on, loop controls
+//!   (`break`/`continue`) enabled;
+//! - variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`
+//!   (plus `tools`/`documents` left undefined, which templates test with `is defined`);
+//! - functions `raise_exception(msg)` (a render error carrying the message) and
+//!   `strftime_now(fmt)` (current UTC time);
+//! - a `tojson` filter that matches Python's `json.dumps(ensure_ascii=False)`
+//!   (`", "`/`": "` separators, no HTML escaping) rather than minijinja's
+//!   HTML-safe one, with the `indent` and `sort_keys` options;
+//! - Python string/dict/list methods (`.strip()`, `.items()`, `.startswith()`,
+//!   ...) through `minijinja-contrib`'s pycompat callback.
+//!
+//! Invariant: rendering is a pure function of (template, messages, options), except
+//! `strftime_now`, which reads the clock.
+
+use std::fmt::Write as _;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, context};
+
+use crate::model::gguf::{GgufError, Metadata};
+use crate::tokenizer::Tokenizer;
+
+/// The metadata key holding the default chat template.
+pub const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
+const TEMPLATE_NAME: &str = "chat";
+
+/// Errors loading or rendering a chat template.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("the model has no chat template ({CHAT_TEMPLATE_KEY} is missing)")]
+    Missing,
+    #[error("chat template does not compile: {0:#}")]
+    Compile(#[source] Error),
+    #[error("chat template failed to render: {0:#}")]
+    Render(#[source] Error),
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with this role and content.
+    #[must_use]
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Rendering options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderOptions {
+    /// End with the header of an assistant turn, so the model writes the reply.
+    pub add_generation_prompt: bool,
+}
+
+impl Default for RenderOptions {
+    fn default() -> Self {
+        Self {
+            add_generation_prompt: true,
+        }
+    }
+}
+
+/// A compiled chat template with the special-token strings it may reference.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// The model's own template, with BOS/EOS strings taken from its vocabulary.
+    ///
+    /// # Errors
+    /// [`TemplateError::Missing`] if the GGUF has no template; a compile error.
+    pub fn from_metadata(md: &Metadata, tokenizer: &Tokenizer) -> Result<Self, TemplateError> {
+        let source = md
+            .get_str_opt(CHAT_TEMPLATE_KEY)?
+            .ok_or(TemplateError::Missing)?;
+        let text = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.token_text(id))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        Self::new(source, &text(tokenizer.bos()), &text(tokenizer.eos()))
+    }
+
+    /// Compiles `source` (e.g. a template override from a release bundle).
+    ///
+    /// # Errors
+    /// [`TemplateError::Compile`] when the template is not valid Jinja.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+            .map_err(TemplateError::Compile)?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        })
+    }
+
+    /// Renders the conversation.
+    ///
+    /// # Errors
+    /// [`TemplateError::Render`], including the template's own `raise_exception`
+    /// (e.g. "Conversation roles must alternate").
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        options: RenderOptions,
+    ) -> Result<String, TemplateError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(TemplateError::Render)?;
+        template
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => options.add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(TemplateError::Render)
+    }
+}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(fmt)`: the current UTC time formatted with the common
+/// `strftime` directives (templates use it for "Today Date: 26 Jul 2024").
+fn strftime_now(format: String) -> Result<String, Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    strftime(&format, secs)
+}
+
+fn strftime(format: &str, unix_secs: u64) -> Result<String, Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = (unix_secs / 86_400) as i64;
+    let secs = unix_secs % 86_400;
+    let (year, month, day) = civil_from_days(days);
+    // 1970-01-01 was a Thursday (index 3 from Monday).
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
+    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let month_name = MONTHS[(month - 1) as usize];
+
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        // `write!` into a String cannot fail.
+        let _ = match chars.next() {
+            Some('Y') => write!(out, "{year}"),
+            Some('y') => write!(out, "{:02}", year.rem_euclid(100)),
+            Some('m') => write!(out, "{month:02}"),
+            Some('d') => write!(out, "{day:02}"),
+            Some('e') => write!(out, "{day:>2}"),
+            Some('j') => write!(out, "{day_of_year:03}"),
+            Some('H') => write!(out, "{hour:02}"),
+            Some('I') => write!(out, "{:02}", (hour + 11) % 12 + 1),
+            Some('p') => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
+            Some('M') => write!(out, "{minute:02}"),
+            Some('S') => write!(out, "{second:02}"),
+            Some('B') => write!(out, "{month_name}"),
+            Some('b' | 'h') => write!(out, "{}", &month_name[..3]),
+            Some('A') => write!(out, "{}", DAYS[weekday]),
+            Some('a') => write!(out, "{}", &DAYS[weekday][..3]),
+            Some('%') => write!(out, "%"),
+            other => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.unwrap_or(' ')
+                    ),
+                ));
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, i64, i64) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// (year, month, day) → days since 1970-01-01 (Hinnant's `days_from_civil`).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = if m > 2 { m - 3 } else { m + 9 };
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False,
+/// indent=indent, sort_keys=sort_keys)`.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_json(&value, indent, sort_keys.unwrap_or(false), 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+fn write_json(
+    v: &Value,
+    indent: Option<usize>,
+    sort: bool,
+    depth: usize,
+    out: &mut String,
+) -> Result<(), Error> {
+    // Python: item separator ", " without indent, "," with it (then newline).
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            let s = v.to_string();
+            // Python prints floats with a fractional part ("1.0"); minijinja does too
+            // except for non-finite values, which Python writes as NaN/Infinity.
+            match s.as_str() {
+                "inf" => out.push_str("Infinity"),
+                "-inf" => out.push_str("-Infinity"),
+                "NaN" | "nan" => out.push_str("NaN"),
+                _ => out.push_str(&s),
+            }
+        }
+        ValueKind::String => json_string(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                write_json(item, indent, sort, depth + 1, out)?;
+            }
+            if !items.is_empty() {
+                newline(out, depth);
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            if sort {
+                keys.sort();
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                json_string(&key.to_string(), out);
+                out.push_str(": ");
+                write_json(&v.get_item(key)?, indent, sort, depth + 1, out)?;
+            }
+            if !keys.is_empty() {
+                newline(out, depth);
+            }
+            out.push('}');
+        }
+        _ => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: cannot serialize a {} value", v.kind()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A JSON string literal as Python writes it with `ensure_ascii=False`.
+fn json_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(source: &str, messages: &[ChatMessage]) -> Result<String, TemplateError> {
+        ChatTemplate::new(source, "<s>", "</s>")?.render(messages, RenderOptions::default())
+    }
+
+    #[test]
+    fn chatml_with_trim_and_lstrip_blocks() {
+        // trim_blocks drops the newline after a block tag; lstrip_blocks drops the
+        // indentation before one (not before an expression).
+        let src = "{{ bos_token }}{% for m in messages %}\n  {% if m.role %}<|{{ m.role }}|>{% endif %}{{ m['content'] | trim }}\n{% endfor %}\n{% if add_generation_prompt %}<|assistant|>{% endif %}";
+        let out = render(src, &[ChatMessage::new("user", " hi ")]).unwrap();
+        assert_eq!(out, "<s><|user|>hi\n<|assistant|>");
+    }
+
+    #[test]
+    fn raise_exception_surfaces_the_message() {
+        let err = render("{{ raise_exception('roles must alternate') }}", &[]).unwrap_err();
+        assert!(err.to_string().contains("roles must alternate"), "{err}");
+    }
+
+    #[test]
+    fn python_methods_and_loop_controls() {
+        let src = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content.strip().upper() }}{{ m.content.startswith(' a') }}{% endfor %}";
+        let out = render(
+            src,
+            &[
+                ChatMessage::new("user", " ab "),
+                ChatMessage::new("user", "x"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(out, "ABTrue");
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let out = render(
+            "{{ messages | tojson }}",
+            &[ChatMessage::new("user", "é <b>\n\"q\"")],
+        )
+        .unwrap();
+        assert_eq!(out, r#"[{"role": "user", "content": "é <b>\n\"q\""}]"#);
+        let out = render(
+            "{{ {'b': 1, 'a': [1.5, none, true]} | tojson(indent=2, sort_keys=true) }}",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "{\n  \"a\": [\n    1.5,\n    null,\n    true\n  ],\n  \"b\": 1\n}"
+        );
+    }
+
+    #[test]
+    fn strftime_formats_a_known_instant() {
+        // 2024-07-26 13:05:09 UTC, a Friday.
+        let t = 1_722_000_000 - 1_722_000_000 % 86_400 + 13 * 3600 + 5 * 60 + 9;
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %A %j %B %%", t).unwrap(),
+            "26 Jul 2024 13:05:09 Friday 208 July %"
+        );
+        assert!(strftime("%Q", t).is_err());
+        assert!(
+            render("{{ strftime_now('%Y') }}", &[])
+                .unwrap()
+                .starts_with("20")
+        );
+    }
+
+    #[test]
+    fn invalid_templates_fail_to_compile() {
+        assert!(matches!(
+            ChatTemplate::new("{% for %}", "", ""),
+            Err(TemplateError::Compile(_))
+        ));
+    }
+}
