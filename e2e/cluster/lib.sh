@@ -43,7 +43,9 @@ cache_key() {
   printf 'k8s-%s_etcd-%s_kwok-%s_%s' "${K8S_VERSION}" "${ETCD_VERSION}" "${KWOK_VERSION}" "${sum}"
 }
 
-cache_root() { printf '%s' "${SLIPWAY_K8S_CACHE:-${HOME}/.cache/slipway/k8s}"; }
+# The Makefile exports SLIPWAY_CACHE (default ~/.cache/slipway) for every cache.
+slipway_cache() { printf '%s' "${SLIPWAY_CACHE:-${HOME}/.cache/slipway}"; }
+cache_root() { printf '%s' "${SLIPWAY_K8S_CACHE:-$(slipway_cache)/k8s}"; }
 cache_dir() { printf '%s/%s' "$(cache_root)" "$(cache_key)"; }
 bin_dir() { printf '%s/bin' "$(cache_dir)"; }
 
@@ -52,6 +54,6 @@ REQUIRED_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl
 # Where `up` keeps a cluster: kwokctl's work dir (pids/, logs/, etcd data, pki,
 # kubeconfig). Outside the repository, one directory per cluster name.
 CLUSTER_NAME="${SLIPWAY_E2E_CLUSTER:-slipway-e2e}"
-state_root() { printf '%s' "${SLIPWAY_E2E_STATE:-${HOME}/.cache/slipway/e2e-clusters}"; }
+state_root() { printf '%s' "${SLIPWAY_E2E_STATE:-$(slipway_cache)/e2e-clusters}"; }
 cluster_workdir() { printf '%s/clusters/%s' "$(state_root)" "${CLUSTER_NAME}"; }
 admin_kubeconfig() { printf '%s/admin.kubeconfig' "$(cluster_workdir)"; }

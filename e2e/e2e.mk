@@ -1,0 +1,21 @@
+# End-to-end targets, included by the root Makefile (`-include e2e/e2e.mk`).
+# Paths are relative to the repository root, where make runs. See e2e/README.md.
+
+E2E_CLUSTER := e2e/cluster
+
+.PHONY: e2e e2e-build e2e-up e2e-down
+
+e2e-build: ## compile etcd, kube-* , kubectl, kwok, kwokctl from source into $SLIPWAY_CACHE/k8s (once per pin set)
+	$(E2E_CLUSTER)/build
+
+e2e: e2e-build ## bring the control plane up (building it if needed), run the e2e tests, tear it down
+	$(CARGO) test --locked -p slipway-e2e
+
+e2e-up: ## bring a cluster up by hand and print the KUBECONFIG to export; `make e2e` reuses it
+	$(E2E_CLUSTER)/up
+
+e2e-down: ## stop every process of the cluster by PID and remove its state
+	$(E2E_CLUSTER)/down
+
+# `make test` is "everything": the end-to-end tests are part of it.
+test: e2e
