@@ -54,6 +54,34 @@ impl Cluster {
         self.workdir.join("logs").join(format!("{component}.log"))
     }
 
+    /// Component name and PID of every process kwokctl started for this
+    /// cluster, from the PID files `e2e/cluster/down` also stops them by.
+    ///
+    /// # Errors
+    /// When the PID directory cannot be read or holds something that is not a PID.
+    pub fn component_pids(&self) -> Result<Vec<(String, u32)>> {
+        let dir = self.workdir.join("pids");
+        let io_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| Error::Io { path, source }
+        };
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir(&dir).map_err(io_error(&dir))? {
+            let path = entry.map_err(io_error(&dir))?.path();
+            let Some(component) = path.file_stem().and_then(|s| s.to_str()) else {
+                continue;
+            };
+            let text = std::fs::read_to_string(&path).map_err(io_error(&path))?;
+            let pid = text.trim().parse().map_err(|_| Error::Manifest {
+                path: path.clone(),
+                reason: format!("{text:?} is not a PID"),
+            })?;
+            pids.push((component.to_owned(), pid));
+        }
+        pids.sort();
+        Ok(pids)
+    }
+
     /// A client with the admin identity.
     ///
     /// # Errors

@@ -24,6 +24,7 @@ mod error;
 pub mod manifests;
 mod namespace;
 pub mod rbac;
+pub mod sockets;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterGuard};

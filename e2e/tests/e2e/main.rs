@@ -7,6 +7,7 @@
 //! process it started by PID, whatever the tests did. A cluster that cannot be
 //! built or started fails the run; it is never a skip.
 
+mod control_plane;
 mod crd_validation;
 mod rbac;
 mod scheduling;
@@ -41,6 +42,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         scheduling::gpu_pod_is_scheduled_on_a_fake_gpu_node_and_becomes_ready,
         scheduling::pod_needing_more_gpus_than_any_node_stays_pending,
         scheduling::fake_nodes_span_three_zones_with_nvlink_domains,
+        control_plane::every_component_listens_on_loopback_only,
         rbac::operator_identity_is_denied_outside_its_role_and_audited,
     ]
 }
