@@ -1,0 +1,502 @@
+//! `slipway-bench`: measure SLO-goodput and the capacity frontier of an
+//! OpenAI-compatible server (Slipway's engine, llama.cpp's llama-server, vLLM).
+//!
+//! `run` measures one offered load, `sweep` raises the offered rate until the SLO
+//! fails and prints `capacity.replicaGoodput`, `compare` puts two sweeps side by side.
+//! Real output goes to stdout; logs and the progress bar go to stderr.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use slipway_bench::arrival::{ArrivalProcess, schedule};
+use slipway_bench::client::{Client, ClientConfig};
+use slipway_bench::report;
+use slipway_bench::runner::{self, RunLimits, RunOutput, Sessions};
+use slipway_bench::stats::{DEFAULT_BUCKETS, Slo, Summary, summarize};
+use slipway_bench::sweep::{SweepPlan, SweepPoint, SweepResult, geometric_ladder, next_rate};
+use slipway_bench::workload::{Api, RequestPlan, WorkloadSpec, generate};
+
+/// Open/closed-loop load generator for OpenAI-compatible LLM servers: TTFT, TPOT,
+/// SLO-goodput and the capacity frontier (`capacity.replicaGoodput`).
+///
+/// Latencies are client-side and measured from each request's *scheduled* arrival, so
+/// an overloaded server (or client) shows up as latency, never as fewer requests.
+/// Every offered request ends in exactly one outcome: completed, rejected (429/503),
+/// timed out, cancelled, error, or client-capped (in-flight cap reached); a request
+/// that did not finish is an infinite latency, never a finite one.
+#[derive(Parser, Debug)]
+#[command(name = "slipway-bench", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Measure one offered load and write summary.json and records.jsonl.
+    Run(RunArgs),
+    /// Raise the offered rate until the SLO fails; find the goodput frontier, write
+    /// sweep.json, per-rate records, sweep.svg/png and capacity.yaml.
+    Sweep(SweepArgs),
+    /// Compare two sweep.json files (ours first, the peer second): table, ratios, plot.
+    Compare(CompareArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct Common {
+    /// Server base URL (only 127.0.0.1/localhost servers you run yourself).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// `model` field of each request.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Label for reports (e.g. "llama-server -np 8").
+    #[arg(long, default_value = "server")]
+    label: String,
+    /// Workload spec (YAML or JSON); default: prompts U[64,512], outputs U[32,128] tokens.
+    #[arg(long)]
+    workload: Option<PathBuf>,
+    /// Override the workload's endpoint.
+    #[arg(long, value_enum)]
+    api: Option<ApiArg>,
+    /// Arrival process for open-loop load.
+    #[arg(long, value_enum, default_value_t = ArrivalArg::Poisson)]
+    arrival: ArrivalArg,
+    /// Gamma shape for `--arrival gamma` (1 = Poisson, < 1 burstier).
+    #[arg(long, default_value_t = 1.0)]
+    burstiness: f64,
+    /// Arrival window per measurement, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    duration: f64,
+    /// Grace after the window for requests still in flight, seconds; then they are cancelled.
+    #[arg(long, default_value_t = 30.0)]
+    drain: f64,
+    /// Cap on requests in flight; arrivals beyond it are counted as client-capped, not queued.
+    #[arg(long, default_value_t = 256)]
+    max_in_flight: usize,
+    /// Hard per-request timeout, seconds (counted as timed out, never as a latency).
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
+    /// Seed for arrivals and prompts.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Sequential unrecorded requests before measuring (warms caches and connections).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// SLO: TTFT target at the percentile, ms.
+    #[arg(long, default_value_t = 2000.0)]
+    ttft_ms: f64,
+    /// SLO: TPOT target at the percentile, ms.
+    #[arg(long, default_value_t = 150.0)]
+    tpot_ms: f64,
+    /// SLO percentile (50, 95 or 99).
+    #[arg(long, default_value_t = 99.0)]
+    percentile: f64,
+    /// SLO: minimum fraction of offered requests that must complete.
+    #[arg(long, default_value_t = 0.99)]
+    min_success: f64,
+    /// Output directory.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Bearer token, if the server wants one.
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Open-loop mean arrival rate, requests/s.
+    #[arg(long, conflicts_with_all = ["sessions", "trace"])]
+    rate: Option<f64>,
+    /// Closed loop: this many concurrent sessions instead of an arrival schedule.
+    #[arg(long, conflicts_with = "trace")]
+    sessions: Option<usize>,
+    /// Closed loop: mean think time between requests of a session, ms.
+    #[arg(long, default_value_t = 0.0)]
+    think_ms: f64,
+    /// Replay a JSONL trace (timestamp/arrivalMs, prompt or promptTokens, outputTokens, tenant).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Trace replay speed-up factor.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+}
+
+#[derive(Args, Debug)]
+struct SweepArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Offered rates to try, ascending, comma-separated (req/s); default a doubling ladder.
+    #[arg(long, value_delimiter = ',')]
+    rates: Vec<f64>,
+    /// Ladder start when --rates is not given.
+    #[arg(long, default_value_t = 0.1)]
+    start: f64,
+    /// Ladder top when --rates is not given.
+    #[arg(long, default_value_t = 6.4)]
+    max: f64,
+    /// Ladder factor when --rates is not given.
+    #[arg(long, default_value_t = 2.0)]
+    factor: f64,
+    /// Bisection steps between the last passing and first failing rate.
+    #[arg(long, default_value_t = 2)]
+    refine: u32,
+}
+
+#[derive(Args, Debug)]
+struct CompareArgs {
+    /// sweep.json of the system under test (ratios are this / peer).
+    ours: PathBuf,
+    /// sweep.json of the peer.
+    peer: PathBuf,
+    /// Write a combined plot to this path stem (.svg and .png).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy)]
+enum ApiArg {
+    Completions,
+    Chat,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy)]
+enum ArrivalArg {
+    Poisson,
+    Gamma,
+    Constant,
+}
+
+impl Common {
+    fn slo(&self) -> anyhow::Result<Slo> {
+        if ![50.0, 95.0, 99.0].contains(&self.percentile) {
+            bail!("--percentile must be 50, 95 or 99");
+        }
+        Ok(Slo {
+            ttft_ms: self.ttft_ms,
+            tpot_ms: self.tpot_ms,
+            percentile: self.percentile,
+            min_success: self.min_success,
+        })
+    }
+
+    fn workload(&self) -> anyhow::Result<WorkloadSpec> {
+        let mut w = match &self.workload {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                WorkloadSpec::from_yaml(&text)
+                    .with_context(|| format!("workload {}", p.display()))?
+            }
+            None => WorkloadSpec::default(),
+        };
+        if let Some(a) = self.api {
+            w.api = match a {
+                ApiArg::Completions => Api::Completions,
+                ApiArg::Chat => Api::Chat,
+            };
+        }
+        Ok(w)
+    }
+
+    fn process(&self, rate: f64) -> ArrivalProcess {
+        match self.arrival {
+            ArrivalArg::Poisson => ArrivalProcess::Poisson { rate },
+            ArrivalArg::Gamma => ArrivalProcess::Gamma {
+                rate,
+                burstiness: self.burstiness,
+            },
+            ArrivalArg::Constant => ArrivalProcess::Constant { rate },
+        }
+    }
+
+    fn client(&self, api: Api) -> anyhow::Result<Client> {
+        Ok(Client::new(ClientConfig {
+            base_url: self.url.clone(),
+            model: self.model.clone(),
+            api,
+            timeout: Duration::from_secs_f64(self.timeout),
+            api_key: self.api_key.clone(),
+        })?)
+    }
+
+    fn limits(&self) -> RunLimits {
+        RunLimits {
+            window_s: self.duration,
+            drain_s: self.drain,
+            max_in_flight: self.max_in_flight,
+        }
+    }
+
+    fn progress(&self, n: u64, what: &str) -> Option<ProgressBar> {
+        if self.quiet {
+            return None;
+        }
+        let bar = ProgressBar::new(n);
+        let style = ProgressStyle::with_template(
+            "{prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+        bar.set_style(style);
+        bar.set_prefix(what.to_owned());
+        Some(bar)
+    }
+}
+
+/// Sends `n` unrecorded requests one at a time so the first measured request does not
+/// pay for connection setup or cold caches. Failures here are reported, not fatal: the
+/// measurement itself will count them properly.
+async fn warmup(client: &Client, spec: &WorkloadSpec, n: usize, seed: u64) -> anyhow::Result<()> {
+    let plans = generate(spec, &vec![0.0; n], seed ^ 0xa11)?;
+    for p in plans {
+        let out = runner::closed_loop(
+            client,
+            vec![p],
+            Sessions {
+                count: 1,
+                think_s: 0.0,
+                seed,
+            },
+            RunLimits {
+                window_s: 1.0,
+                drain_s: 300.0,
+                max_in_flight: 1,
+            },
+            None,
+        )
+        .await;
+        if let Some(r) = out.records.first()
+            && r.outcome != slipway_bench::record::Outcome::Completed
+        {
+            tracing::warn!(outcome = ?r.outcome, error = ?r.error, "warm-up request did not complete");
+        }
+    }
+    Ok(())
+}
+
+fn write_json(path: &Path, v: &impl Serialize) -> anyhow::Result<()> {
+    let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    serde_json::to_writer_pretty(std::io::BufWriter::new(f), v)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+fn write_records(dir: &Path, out: &RunOutput, summary: &Summary) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("records.jsonl");
+    let f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(f);
+    for r in &out.records {
+        serde_json::to_writer(&mut w, r)?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()?;
+    write_json(&dir.join("summary.json"), summary)
+}
+
+async fn measure(
+    c: &Common,
+    spec: &WorkloadSpec,
+    client: &Client,
+    rate: f64,
+) -> anyhow::Result<(RunOutput, Summary)> {
+    let arrivals = schedule(&c.process(rate), c.duration, usize::MAX, c.seed)?;
+    let plans = generate(spec, &arrivals, c.seed)?;
+    let bar = c.progress(plans.len() as u64, &format!("{rate} req/s"));
+    let out = runner::open_loop(client, plans, c.limits(), bar.as_ref()).await;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let summary = summarize(
+        &out.records,
+        &out.gauge,
+        c.duration,
+        Some(rate),
+        c.slo()?,
+        DEFAULT_BUCKETS,
+    );
+    if !summary.little.consistent {
+        tracing::error!(check = ?summary.little, "Little's law check failed: the bookkeeping is inconsistent");
+    }
+    Ok((out, summary))
+}
+
+async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
+    let c = &a.common;
+    let spec = c.workload()?;
+    let client = c.client(spec.api)?;
+    warmup(&client, &spec, c.warmup, c.seed).await?;
+    let (out, summary) = if let Some(trace) = &a.trace {
+        let text = std::fs::read_to_string(trace)
+            .with_context(|| format!("reading {}", trace.display()))?;
+        let plans = slipway_bench::trace::parse_trace(&text, a.speedup, c.seed)?;
+        let window = plans.last().map_or(0.0, |p| p.arrival_s) + 1e-3;
+        let bar = c.progress(plans.len() as u64, "trace");
+        let out = runner::open_loop(
+            &client,
+            plans,
+            RunLimits {
+                window_s: window,
+                ..c.limits()
+            },
+            bar.as_ref(),
+        )
+        .await;
+        let s = summarize(
+            &out.records,
+            &out.gauge,
+            window,
+            None,
+            c.slo()?,
+            DEFAULT_BUCKETS,
+        );
+        (out, s)
+    } else if let Some(n) = a.sessions {
+        // Enough requests that sessions never run dry within the window.
+        let plans: Vec<RequestPlan> = generate(&spec, &vec![0.0; 100_000], c.seed)?;
+        let bar = c.progress(0, "sessions");
+        let out = runner::closed_loop(
+            &client,
+            plans,
+            Sessions {
+                count: n,
+                think_s: a.think_ms / 1000.0,
+                seed: c.seed,
+            },
+            c.limits(),
+            bar.as_ref(),
+        )
+        .await;
+        let s = summarize(
+            &out.records,
+            &out.gauge,
+            c.duration,
+            None,
+            c.slo()?,
+            DEFAULT_BUCKETS,
+        );
+        (out, s)
+    } else {
+        let rate = a
+            .rate
+            .context("one of --rate, --sessions or --trace is required")?;
+        measure(c, &spec, &client, rate).await?
+    };
+    write_records(&c.out, &out, &summary)?;
+    print!("{}", report::summary_table(&c.label, &summary));
+    println!(
+        "peak in flight {} (cap {})",
+        out.peak_in_flight, c.max_in_flight
+    );
+    println!(
+        "wrote {}/summary.json and {}/records.jsonl",
+        c.out.display(),
+        c.out.display()
+    );
+    Ok(())
+}
+
+async fn cmd_sweep(a: SweepArgs) -> anyhow::Result<()> {
+    let c = &a.common;
+    let spec = c.workload()?;
+    let client = c.client(spec.api)?;
+    let ladder = if a.rates.is_empty() {
+        geometric_ladder(a.start, a.max, a.factor)
+    } else {
+        a.rates.clone()
+    };
+    if ladder.is_empty()
+        || ladder.iter().any(|r| !(*r > 0.0))
+        || ladder.windows(2).any(|w| w[0] >= w[1])
+    {
+        bail!("the sweep needs positive, strictly ascending rates");
+    }
+    let plan = SweepPlan {
+        rates: ladder,
+        refine: a.refine,
+    };
+    std::fs::create_dir_all(&c.out).with_context(|| format!("creating {}", c.out.display()))?;
+    warmup(&client, &spec, c.warmup, c.seed).await?;
+    let mut result = SweepResult {
+        label: c.label.clone(),
+        workload: spec.describe(),
+        arrivals: format!(
+            "{:?}, {} s window per rate, seed {}",
+            c.process(1.0).with_rate(1.0),
+            c.duration,
+            c.seed
+        )
+        .replace("rate: 1.0", "rate: swept"),
+        slo: c.slo()?,
+        points: Vec::new(),
+        frontier: None,
+    };
+    let mut done = Vec::new();
+    while let Some(rate) = next_rate(&plan, &done) {
+        let (out, summary) = measure(c, &spec, &client, rate).await?;
+        write_records(&c.out.join(format!("rate-{rate}")), &out, &summary)?;
+        eprint!(
+            "{}",
+            report::summary_table(&format!("{} @ {rate}", c.label), &summary)
+        );
+        done.push((rate, summary.slo_pass));
+        result.points.push(SweepPoint { rate, summary });
+        result.compute_frontier();
+        // Written after every point so an interrupted sweep keeps what it measured.
+        write_json(&c.out.join("sweep.json"), &result)?;
+    }
+    let files = slipway_bench::plot::plot_sweeps(&[&result], &c.out.join("sweep"))?;
+    let note = report::capacity_note(&result);
+    std::fs::write(c.out.join("capacity.yaml"), &note)
+        .with_context(|| format!("writing {}/capacity.yaml", c.out.display()))?;
+    print!("{}", report::sweep_table(&result));
+    print!("{note}");
+    let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+    println!(
+        "wrote {}/sweep.json, per-rate records, {}",
+        c.out.display(),
+        names.join(", ")
+    );
+    Ok(())
+}
+
+fn cmd_compare(a: &CompareArgs) -> anyhow::Result<()> {
+    let load = |p: &Path| -> anyhow::Result<SweepResult> {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))
+    };
+    let (ours, peer) = (load(&a.ours)?, load(&a.peer)?);
+    print!("{}", report::compare_table(&ours, &peer));
+    if let Some(stem) = &a.plot {
+        let files = slipway_bench::plot::plot_sweeps(&[&ours, &peer], stem)?;
+        let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+        println!("plot: {}", names.join(", "));
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Run(a) => cmd_run(a).await,
+        Cmd::Sweep(a) => cmd_sweep(a).await,
+        Cmd::Compare(a) => cmd_compare(&a),
+    }
+}

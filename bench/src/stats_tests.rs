@@ -1,0 +1,234 @@
+//! Tests of the accounting rules in `stats`.
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// A completed request sent at `t`, first token after `ttft`, then `n - 1` tokens
+/// `tpot` apart.
+fn done(id: u64, t: f64, ttft: f64, tpot: f64, n: u32) -> RequestRecord {
+    let tokens: Vec<f64> = (0..n).map(|i| t + ttft + f64::from(i) * tpot).collect();
+    RequestRecord {
+        id,
+        tenant: None,
+        prompt_tokens: 100,
+        shared_prefix: false,
+        max_tokens: n,
+        scheduled_s: t,
+        sent_s: Some(t),
+        done_s: tokens.last().copied(),
+        token_s: tokens,
+        outcome: Outcome::Completed,
+        http_status: Some(200),
+        retry_after: None,
+        server_prompt_tokens: None,
+        server_output_tokens: None,
+        error: None,
+    }
+}
+
+fn with(mut r: RequestRecord, outcome: Outcome) -> RequestRecord {
+    r.outcome = outcome;
+    r
+}
+
+/// The gauge a correct runner would have produced for these records.
+fn gauge_of(records: &[RequestRecord]) -> Vec<GaugeEvent> {
+    let mut g = Vec::new();
+    for r in records {
+        if let (Some(s), Some(d)) = (r.sent_s, r.done_s) {
+            g.push(GaugeEvent { t: s, delta: 1 });
+            g.push(GaugeEvent { t: d, delta: -1 });
+        }
+    }
+    g
+}
+
+#[test]
+fn percentiles_of_known_latencies() {
+    // TTFT 10, 20, ..., 1000 ms: nearest-rank P50 = 500, P99 = 990.
+    let recs: Vec<_> = (1..=100)
+        .map(|i| done(i, 0.0, f64::from(i as u32) / 100.0, 0.05, 3))
+        .collect();
+    let s = summarize(
+        &recs,
+        &gauge_of(&recs),
+        10.0,
+        Some(10.0),
+        Slo::default(),
+        DEFAULT_BUCKETS,
+    );
+    let p50 = s.ttft.p50_ms.unwrap();
+    let p99 = s.ttft.p99_ms.unwrap();
+    assert!((p50 - 500.0).abs() < 1.0, "{p50}");
+    assert!((p99 - 990.0).abs() < 1.0, "{p99}");
+    let tpot = s.tpot.p99_ms.unwrap();
+    assert!((tpot - 50.0).abs() < 0.1, "{tpot}");
+    assert_eq!(s.counts.completed, 100);
+    assert!((s.goodput_rps - 10.0).abs() < 1e-9);
+    assert!(s.slo_pass, "{:?}", s.slo_failures);
+}
+
+#[test]
+fn timeouts_are_infinite_never_finite_latencies() {
+    // 97 fast requests and 3 that timed out after their first token: P99 of E2E must
+    // be infinite, not the timeout value.
+    let mut recs: Vec<_> = (0..97).map(|i| done(i, 0.0, 0.1, 0.01, 4)).collect();
+    for i in 97..100 {
+        recs.push(with(done(i, 0.0, 0.1, 10.0, 2), Outcome::TimedOut));
+    }
+    let s = summarize(
+        &recs,
+        &gauge_of(&recs),
+        10.0,
+        Some(10.0),
+        Slo::default(),
+        DEFAULT_BUCKETS,
+    );
+    assert_eq!(s.counts.timed_out, 3);
+    assert_eq!(s.e2e.count, 97);
+    assert_eq!(s.e2e.infinite, 3);
+    assert_eq!(s.e2e.p99_ms, None);
+    assert!(s.e2e.p50_ms.unwrap() < 200.0);
+    assert_eq!(s.tpot.p99_ms, None);
+    // TTFT was seen for the timed-out ones, so it stays finite.
+    assert!(s.ttft.p99_ms.is_some());
+    assert!(!s.slo_pass);
+    assert!(
+        s.slo_failures.iter().any(|f| f.contains("TPOT")),
+        "{:?}",
+        s.slo_failures
+    );
+}
+
+#[test]
+fn rejections_count_against_success_not_latency() {
+    let mut recs: Vec<_> = (0..8).map(|i| done(i, 0.0, 0.1, 0.01, 4)).collect();
+    let mut rej = done(8, 0.0, 0.0, 0.0, 0);
+    rej.outcome = Outcome::Rejected;
+    rej.http_status = Some(429);
+    rej.retry_after = Some("1".into());
+    rej.done_s = Some(0.01);
+    recs.push(rej);
+    let mut capped = RequestRecord::new(
+        &crate::workload::RequestPlan {
+            id: 9,
+            arrival_s: 0.0,
+            system: None,
+            prompt: String::new(),
+            prompt_tokens: 100,
+            max_tokens: 4,
+            tenant: None,
+            deadline_ms: None,
+        },
+        0.0,
+    );
+    capped.outcome = Outcome::ClientCapped;
+    recs.push(capped);
+    let s = summarize(
+        &recs,
+        &gauge_of(&recs),
+        1.0,
+        Some(10.0),
+        Slo::default(),
+        DEFAULT_BUCKETS,
+    );
+    assert_eq!(s.counts.offered, 10);
+    assert_eq!(s.counts.admitted, 8);
+    assert_eq!(s.counts.rejected, 1);
+    assert_eq!(s.counts.rejected_with_retry_after, 1);
+    assert_eq!(s.counts.client_capped, 1);
+    assert_eq!(
+        s.ttft.count + s.ttft.infinite,
+        8,
+        "rejections are not latencies"
+    );
+    assert!((s.success_rate - 0.8).abs() < 1e-12);
+    assert!((s.goodput_rps - 8.0).abs() < 1e-12);
+    assert!(!s.slo_pass);
+}
+
+#[test]
+fn goodput_counts_only_requests_meeting_every_target() {
+    let slo = Slo {
+        ttft_ms: 500.0,
+        tpot_ms: 50.0,
+        percentile: 99.0,
+        min_success: 0.0,
+    };
+    let recs = vec![
+        done(0, 0.0, 0.1, 0.01, 5), // meets both
+        done(1, 0.0, 0.9, 0.01, 5), // TTFT too slow
+        done(2, 0.0, 0.1, 0.2, 5),  // TPOT too slow
+        done(3, 0.0, 0.2, 1.0, 1),  // one token: TPOT undefined, TTFT ok
+    ];
+    let s = summarize(&recs, &gauge_of(&recs), 2.0, None, slo, DEFAULT_BUCKETS);
+    assert_eq!(s.slo_met, 2);
+    assert!((s.goodput_rps - 1.0).abs() < 1e-12);
+    assert_eq!(s.tpot.count, 3);
+}
+
+#[test]
+fn buckets_split_by_prompt_length() {
+    let mut a = done(0, 0.0, 0.1, 0.01, 3);
+    a.prompt_tokens = 64;
+    let mut b = done(1, 0.0, 0.7, 0.01, 3);
+    b.prompt_tokens = 300;
+    let s = summarize(&[a, b], &[], 1.0, None, Slo::default(), &[128, 256, 512]);
+    let edges: Vec<_> = s
+        .by_prompt_length
+        .iter()
+        .map(|b| (b.lo, b.hi, b.offered))
+        .collect();
+    assert_eq!(edges, vec![(0, Some(128), 1), (256, Some(512), 1)]);
+    assert!(s.by_prompt_length[1].ttft.p50_ms.unwrap() > 600.0);
+}
+
+#[test]
+fn littles_law_passes_on_consistent_bookkeeping() {
+    let recs: Vec<_> = (0..50)
+        .map(|i| done(i, f64::from(i as u32) * 0.1, 0.3, 0.02, 10))
+        .collect();
+    let l = littles_law(&recs, &gauge_of(&recs));
+    assert!(l.consistent, "{l:?}");
+    assert!(l.relative_error < 1e-9);
+    assert!(l.mean_in_flight > 1.0);
+}
+
+#[test]
+fn littles_law_flags_a_lost_record_and_a_wrong_timestamp() {
+    let recs: Vec<_> = (0..50)
+        .map(|i| done(i, f64::from(i as u32) * 0.1, 0.3, 0.02, 10))
+        .collect();
+    let gauge = gauge_of(&recs);
+    // A request the gauge saw but whose record went missing.
+    let lost = littles_law(&recs[1..], &gauge);
+    assert!(!lost.consistent, "{lost:?}");
+    // A record whose done time was written wrong (a latency that is not what happened).
+    let mut skewed = recs.clone();
+    skewed[10].done_s = Some(skewed[10].done_s.unwrap_or(0.0) + 2.0);
+    let bad = littles_law(&skewed, &gauge);
+    assert!(!bad.consistent, "{bad:?}");
+    // A gauge that never came back to zero (a leaked in-flight slot).
+    let mut leaked = gauge.clone();
+    leaked.retain(|e| !(e.delta < 0 && (e.t - recs[49].done_s.unwrap_or(0.0)).abs() < 1e-12));
+    assert!(!littles_law(&recs, &leaked).consistent);
+}
+
+proptest! {
+    #[test]
+    fn every_offered_request_is_counted_exactly_once(outcomes in prop::collection::vec(0usize..6, 0..200)) {
+        let recs: Vec<_> = outcomes.iter().enumerate().map(|(i, &o)| {
+            let mut r = done(i as u64, 0.0, 0.1, 0.01, 3);
+            r.outcome = Outcome::ALL[o];
+            if r.outcome == Outcome::ClientCapped { r.sent_s = None; }
+            r
+        }).collect();
+        let s = summarize(&recs, &gauge_of(&recs), 1.0, None, Slo::default(), DEFAULT_BUCKETS);
+        let c = &s.counts;
+        prop_assert_eq!(c.completed + c.rejected + c.timed_out + c.cancelled + c.errors + c.client_capped, c.offered);
+        prop_assert_eq!(c.offered, recs.len() as u64);
+        prop_assert_eq!(s.e2e.count + s.e2e.infinite, c.admitted);
+        prop_assert_eq!(s.e2e.count, c.completed);
+    }
+}
