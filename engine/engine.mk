@@ -1,24 +1,25 @@
-# Engine targets, included by the root Makefile (`include engine/engine.mk`).
-# Paths are relative to the repository root, where make runs.
+# Engine targets, included by the root Makefile (`-include engine/engine.mk`).
+# Paths are relative to the repository root, where make runs. Descriptions after
+# `## ` are what `make help` lists.
 
 ENGINE_SCRIPTS := engine/scripts
 
-.PHONY: model
-## model: download (once) and verify the SmolLM2-135M-Instruct Q4_1 GGUF into the cache
-##        ($$SLIPWAY_CACHE, default ~/.cache/slipway); prints its path
-model:
+.PHONY: model fuzz-gguf
+
+# The engine tests on the real model fail (never skip) without it, so the test
+# targets fetch it first; fetch-model is a no-op once the verified file is cached.
+test-unit: model
+
+model: ## fetch (once) and sha256-verify the SmolLM2-135M-Instruct Q4_1 GGUF into $SLIPWAY_CACHE/models; prints its path
 	@$(ENGINE_SCRIPTS)/fetch-model
 
 # Fuzzing needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
-# Builds go to their own target dir: sanitizer builds share nothing with the
+# Its builds get their own target dir: sanitizer builds share nothing with the
 # workspace's and would only contend for its lock.
 FUZZ_SECONDS ?= 60
 FUZZ_TARGET_DIR ?= $(HOME)/.cache/slipway/fuzz-target
 
-.PHONY: fuzz-gguf
-## fuzz-gguf: fuzz the GGUF reader (and the tokenizer/template built on it) for
-##            $(FUZZ_SECONDS) s, starting from the checked-in seeds
-fuzz-gguf:
+fuzz-gguf: ## fuzz the GGUF reader, tokenizer and template for FUZZ_SECONDS (default 60) from the checked-in seeds
 	cd engine/fuzz && mkdir -p corpus/gguf_parse && \
 	  cargo +nightly fuzz run --target-dir $(FUZZ_TARGET_DIR) gguf_parse \
 	    corpus/gguf_parse seeds/gguf_parse -- \

@@ -86,8 +86,13 @@ fn run_tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::json!({ "tokens": tokens }));
     } else {
         for &id in &tokens {
-            let piece = tokenizer.decode_with(&[id], DecodeOptions::default())?;
-            println!("{id}\t{piece:?}");
+            // A token may hold part of a multi-byte character: show such pieces
+            // as escaped bytes rather than as replacement characters.
+            let bytes = tokenizer.decode_bytes(&[id], DecodeOptions::default())?;
+            match std::str::from_utf8(&bytes) {
+                Ok(piece) => println!("{id}\t{piece:?}"),
+                Err(_) => println!("{id}\tb\"{}\"", bytes.escape_ascii()),
+            }
         }
     }
     Ok(())

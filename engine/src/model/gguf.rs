@@ -44,7 +44,7 @@ pub const MAX_ARRAY_DEPTH: usize = 8;
 /// Everything that can go wrong reading a GGUF file or its metadata.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("cannot read GGUF file {path}: {source}")]
+    #[error("cannot read GGUF file {path}")]
     Io {
         path: PathBuf,
         #[source]
