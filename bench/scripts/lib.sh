@@ -9,6 +9,17 @@ SERVER_PID=""
 
 log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 
+# Benchmarks on a shared machine are only as good as its idle CPU: say how busy it is.
+note_load() {
+    local load cores
+    load="$(cut -d' ' -f1 /proc/loadavg)"
+    cores="$(nproc)"
+    log "load average $load on $cores cores${1:+ ($1)}"
+    if python3 -c "import sys; sys.exit(0 if float('$load') > $cores else 1)"; then
+        log "WARNING: the machine is busy (load > cores); latencies include CPU contention"
+    fi
+}
+
 ensure_model() {
     if [[ ! -f "$MODEL" ]]; then
         if [[ -x engine/scripts/fetch-model ]]; then
@@ -19,8 +30,13 @@ ensure_model() {
     [[ -f "$MODEL" ]] || { log "model not found: $MODEL (run 'make model')"; return 1; }
 }
 
-# Builds slipway-bench and sets BENCH to its path.
+# Builds slipway-bench and sets BENCH to its path (a BENCH already set to an
+# executable is used as is).
 build_bench() {
+    if [[ -n "${BENCH:-}" && -x "$BENCH" ]]; then
+        log "using slipway-bench at $BENCH"
+        return 0
+    fi
     local profile="${BENCH_PROFILE:-release}"
     log "building slipway-bench ($profile)"
     nice cargo build --profile "$profile" -p slipway-bench >&2
@@ -74,6 +90,7 @@ start_llama() {
     local np="$1" port="$2" logfile="$3"
     # Each slot gets room for the largest prompt plus output (512 + 128) with margin.
     local ctx=$((np * ${CTX_PER_SLOT:-1024}))
+    note_load "before llama-server -np $np"
     start_server "$logfile" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" \
         -t "$THREADS" -tb "$THREADS" -np "$np" -c "$ctx" -cb
     wait_ready "http://127.0.0.1:$port" 120

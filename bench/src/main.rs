@@ -83,6 +83,11 @@ struct Common {
     /// Hard per-request timeout, seconds (counted as timed out, never as a latency).
     #[arg(long, default_value_t = 120.0)]
     timeout: f64,
+    /// Lengthen the arrival window at low rates so each measurement offers at least
+    /// this many requests (window = max(duration, min_requests / rate)); a P99 of
+    /// three requests is only their maximum.
+    #[arg(long, default_value_t = 0)]
+    min_requests: usize,
     /// Seed for arrivals and prompts.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -310,17 +315,19 @@ async fn measure(
     client: &Client,
     rate: f64,
 ) -> anyhow::Result<(RunOutput, Summary)> {
-    let arrivals = schedule(&c.process(rate), c.duration, usize::MAX, c.seed)?;
+    let window = c.duration.max(c.min_requests as f64 / rate);
+    let arrivals = schedule(&c.process(rate), window, usize::MAX, c.seed)?;
     let plans = generate(spec, &arrivals, c.seed)?;
     let bar = c.progress(plans.len() as u64, &format!("{rate} req/s"));
-    let out = runner::open_loop(client, plans, c.limits(), bar.as_ref()).await;
+    let limits = RunLimits { window_s: window, ..c.limits() };
+    let out = runner::open_loop(client, plans, limits, bar.as_ref()).await;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     let summary = summarize(
         &out.records,
         &out.gauge,
-        c.duration,
+        window,
         Some(rate),
         c.slo()?,
         DEFAULT_BUCKETS,
@@ -431,9 +438,10 @@ async fn cmd_sweep(a: SweepArgs) -> anyhow::Result<()> {
         label: c.label.clone(),
         workload: spec.describe(),
         arrivals: format!(
-            "{:?}, {} s window per rate, seed {}",
-            c.process(1.0).with_rate(1.0),
+            "{:?}, {} s window per rate (≥ {} requests), seed {}",
+            c.process(1.0),
             c.duration,
+            c.min_requests,
             c.seed
         )
         .replace("rate: 1.0", "rate: swept"),

@@ -174,13 +174,16 @@ pub fn sweep_table(r: &SweepResult) -> String {
 pub fn capacity_note(r: &SweepResult) -> String {
     match &r.frontier {
         Some(f) => format!(
-            "# measured by slipway-bench against {}\n# workload: {}\n# arrivals: {}\n# SLO: {}\ncapacity:\n  replicaGoodput: {:.3}  # requests/s per group ({:.1} output tokens/s)\n",
+            "# measured by slipway-bench against {}\n# workload: {}\n# arrivals: {}\n# SLO: {}\n\
+             # frontier {:.3} req/s offered; in tokens: replicaGoodput {:.1} with demandUnit OutputTokensPerSecond\n\
+             capacity:\n  replicaGoodput: {:.3}\n  demandUnit: RequestsPerSecond\n",
             r.label,
             r.workload,
             r.arrivals,
             r.slo.describe(),
+            f.rate,
+            f.goodput_output_tokens_per_s,
             f.goodput_rps,
-            f.output_tokens_per_s
         ),
         None => format!(
             "# no capacity.replicaGoodput: {} failed the SLO ({}) at every rate tried\n",
@@ -278,4 +281,61 @@ pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
         );
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stats::{DEFAULT_BUCKETS, Slo, summarize};
+    use crate::sweep::SweepPoint;
+
+    fn sweep(label: &str, points: &[(f64, bool, f64, Option<f64>)]) -> SweepResult {
+        let mut r = SweepResult {
+            label: label.into(),
+            workload: "w".into(),
+            arrivals: "a".into(),
+            slo: Slo::default(),
+            points: points
+                .iter()
+                .map(|&(rate, pass, goodput, ttft_p99)| {
+                    let mut s = summarize(&[], &[], 1.0, Some(rate), Slo::default(), DEFAULT_BUCKETS);
+                    s.slo_pass = pass;
+                    s.goodput_rps = goodput;
+                    s.goodput_output_tokens_per_s = goodput * 80.0;
+                    s.ttft.p99_ms = ttft_p99;
+                    s.ttft.count = 1;
+                    SweepPoint { rate, summary: s }
+                })
+                .collect(),
+            frontier: None,
+        };
+        r.compute_frontier();
+        r
+    }
+
+    #[test]
+    fn capacity_note_is_yaml_with_the_frontier_goodput() {
+        let r = sweep("srv", &[(0.2, true, 0.19, Some(900.0)), (0.4, true, 0.38, Some(1500.0)), (0.8, false, 0.3, None)]);
+        let note = capacity_note(&r);
+        let v: serde_yaml::Value = serde_yaml::from_str(&note).unwrap();
+        assert_eq!(v["capacity"]["replicaGoodput"].as_f64(), Some(0.38));
+        assert_eq!(v["capacity"]["demandUnit"].as_str(), Some("RequestsPerSecond"));
+        assert!(note.contains("# SLO: TTFT P99 ≤ 2000 ms"), "{note}");
+        let none = capacity_note(&sweep("srv", &[(0.2, false, 0.0, None)]));
+        assert!(none.starts_with("# no capacity.replicaGoodput"), "{none}");
+    }
+
+    #[test]
+    fn compare_reports_ratios_at_equal_load_and_infinite_percentiles() {
+        let ours = sweep("ours", &[(0.2, true, 0.2, Some(500.0)), (0.4, true, 0.4, Some(800.0)), (0.8, true, 0.79, Some(1900.0))]);
+        let peer = sweep("peer", &[(0.2, true, 0.2, Some(1000.0)), (0.4, false, 0.1, None)]);
+        let t = compare_table(&ours, &peer);
+        assert!(t.contains("goodput frontier"), "{t}");
+        // Frontier 0.79 vs 0.2 → 3.95×; equal load is 0.2 (the peer's last pass).
+        assert!(t.contains("3.95×"), "{t}");
+        assert!(t.contains("at equal offered load 0.200"), "{t}");
+        assert!(t.contains("2.00×"), "TTFT P99 ratio peer/ours: {t}");
+        let s = summary_table("x", &peer.points[1].summary);
+        assert!(s.contains("inf"), "{s}");
+    }
 }

@@ -96,7 +96,9 @@ impl InFlight {
 fn tick(progress: Option<&ProgressBar>, r: &RequestRecord, in_flight: &InFlight) {
     if let Some(p) = progress {
         p.inc(1);
-        if r.outcome != Outcome::Completed {
+        // Only failures worth reading one by one; rejections and caps are counted in
+        // the summary and can come by the thousand under overload.
+        if r.outcome == Outcome::Error {
             p.println(format!(
                 "request {} {:?}{}",
                 r.id,

@@ -287,6 +287,8 @@ pub struct Summary {
     pub throughput_rps: f64,
     /// Output tokens of completed requests per second.
     pub output_tokens_per_s: f64,
+    /// Output tokens of SLO-meeting requests per second (goodput in tokens).
+    pub goodput_output_tokens_per_s: f64,
     /// Time to first token.
     pub ttft: Latency,
     /// Time per output token.
@@ -395,6 +397,8 @@ pub fn summarize(
         lo = hi.unwrap_or(u32::MAX);
     }
     let slo_met = records.iter().filter(|r| slo.met_by(r)).count() as u64;
+    let slo_met_tokens: u64 =
+        records.iter().filter(|r| slo.met_by(r)).map(|r| u64::from(r.n_out())).sum();
     let success_rate = if c.offered > 0 {
         c.completed as f64 / c.offered as f64
     } else {
@@ -438,6 +442,7 @@ pub fn summarize(
         goodput_rps: per_s(slo_met),
         throughput_rps: per_s(c.completed),
         output_tokens_per_s: per_s(out_tokens),
+        goodput_output_tokens_per_s: per_s(slo_met_tokens),
         counts: c,
         ttft,
         tpot,

@@ -113,6 +113,8 @@ pub struct Frontier {
     pub goodput_rps: f64,
     /// Output tokens/s there.
     pub output_tokens_per_s: f64,
+    /// Output tokens/s of SLO-meeting requests there (goodput in tokens).
+    pub goodput_output_tokens_per_s: f64,
 }
 
 impl SweepResult {
@@ -131,6 +133,7 @@ impl SweepResult {
                     rate: r,
                     goodput_rps: p.summary.goodput_rps,
                     output_tokens_per_s: p.summary.output_tokens_per_s,
+                goodput_output_tokens_per_s: p.summary.goodput_output_tokens_per_s,
                 })
         });
     }
