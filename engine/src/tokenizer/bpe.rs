@@ -42,8 +42,7 @@ impl ByteAlphabet {
         Self { to_char, to_byte }
     }
 
-    /// The stand-in character of byte `b` (tests build vocabularies with it).
-    #[cfg(test)]
+    /// The stand-in character of byte `b`.
     #[must_use]
     pub fn char_of(&self, b: u8) -> char {
         self.to_char[usize::from(b)]

@@ -10,7 +10,8 @@
 //!    first; each occurrence becomes that token and splits the text around it.
 //! 2. Each remaining text fragment is pre-tokenized, each word is rewritten in
 //!    GPT-2's byte alphabet and BPE-merged ([`bpe`]); a final symbol missing from
-//!    the vocabulary falls back to single-character tokens, as llama.cpp does.
+//!    the vocabulary falls back to single-character tokens, as llama.cpp does
+//!    (a byte with no token of its own is dropped; see [`Tokenizer::byte_token`]).
 //! 3. With `add_special`, BOS/EOS are added only where the metadata says so
 //!    (`tokenizer.ggml.add_bos_token` / `add_eos_token`; llama.cpp's default for
 //!    BPE vocabularies is neither).
@@ -289,6 +290,22 @@ impl Tokenizer {
     #[must_use]
     pub fn eos(&self) -> Option<u32> {
         self.eos
+    }
+
+    /// The token that stands for the raw byte `b`, if the vocabulary has one.
+    /// Text containing a byte without one cannot round-trip: the byte is dropped,
+    /// exactly as llama.cpp drops it (SmolLM2 lacks e.g. 0x04, 0x13, 0x1D and the
+    /// lead bytes 0xF1/0xF2 of planes 4 to 11).
+    #[must_use]
+    pub fn byte_token(&self, b: u8) -> Option<u32> {
+        self.token_id(self.alphabet.char_of(b).encode_utf8(&mut [0; 4]))
+    }
+
+    /// Whether `decode(encode(text)) == text` is guaranteed: every byte of `text`
+    /// has a byte token.
+    #[must_use]
+    pub fn can_round_trip(&self, text: &str) -> bool {
+        text.bytes().all(|b| self.byte_token(b).is_some())
     }
 
     /// Whether generation should stop at `id` (EOS, EOT, and the end-of-turn
