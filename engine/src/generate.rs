@@ -27,7 +27,14 @@ pub const PREFILL_CHUNK: usize = 512;
 
 /// Feeds `tokens` from position `start` through the runner in chunks, growing
 /// `table`; returns the logits rows `want` asks for (per chunk).
-fn feed(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, table: &mut Vec<u32>, tokens: &[u32], start: usize, want: LogitsWanted) -> Result<Vec<Vec<f32>>, GenerateError> {
+fn feed(
+    runner: &mut dyn ModelRunner,
+    alloc: &mut BlockAllocator,
+    table: &mut Vec<u32>,
+    tokens: &[u32],
+    start: usize,
+    want: LogitsWanted,
+) -> Result<Vec<Vec<f32>>, GenerateError> {
     let bs = runner.kv_geometry().block_size;
     let mut rows = Vec::new();
     let mut pos = start;
@@ -38,7 +45,14 @@ fn feed(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, table: &mut Ve
             LogitsWanted::Last if !last => LogitsWanted::None,
             other => other,
         };
-        let batch = Batch { seqs: vec![SeqChunk { tokens: chunk.to_vec(), start_pos: pos, block_table: table.clone(), logits }] };
+        let batch = Batch {
+            seqs: vec![SeqChunk {
+                tokens: chunk.to_vec(),
+                start_pos: pos,
+                block_table: table.clone(),
+                logits,
+            }],
+        };
         let out = runner.forward(&batch)?;
         rows.extend(out.rows_of(0).map(<[f32]>::to_vec));
         pos += chunk.len();
@@ -51,7 +65,14 @@ fn feed(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, table: &mut Ve
 ///
 /// # Errors
 /// An empty prompt, too few KV blocks, or a backend error.
-pub fn generate(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, prompt: &[u32], max_tokens: usize, sampler: &mut Sampler, stop: &[u32]) -> Result<Vec<u32>, GenerateError> {
+pub fn generate(
+    runner: &mut dyn ModelRunner,
+    alloc: &mut BlockAllocator,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampler: &mut Sampler,
+    stop: &[u32],
+) -> Result<Vec<u32>, GenerateError> {
     if prompt.is_empty() {
         return Err(GenerateError::EmptyPrompt);
     }
@@ -62,7 +83,9 @@ pub fn generate(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, prompt
         if max_tokens == 0 {
             return Ok(out);
         }
-        let mut logits = feed(runner, alloc, &mut table, prompt, 0, LogitsWanted::Last)?.pop().unwrap_or_default();
+        let mut logits = feed(runner, alloc, &mut table, prompt, 0, LogitsWanted::Last)?
+            .pop()
+            .unwrap_or_default();
         loop {
             let tok = sampler.sample(&logits, &history);
             out.push(tok);
@@ -70,7 +93,16 @@ pub fn generate(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, prompt
             if out.len() >= max_tokens || stop.contains(&tok) {
                 return Ok(out);
             }
-            logits = feed(runner, alloc, &mut table, &[tok], history.len() - 1, LogitsWanted::Last)?.pop().unwrap_or_default();
+            logits = feed(
+                runner,
+                alloc,
+                &mut table,
+                &[tok],
+                history.len() - 1,
+                LogitsWanted::Last,
+            )?
+            .pop()
+            .unwrap_or_default();
         }
     })();
     alloc.release(&table)?;
@@ -95,12 +127,24 @@ pub struct PositionScore {
 ///
 /// # Errors
 /// Fewer than two tokens, too few KV blocks, or a backend error.
-pub fn score(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, tokens: &[u32], top_k: usize) -> Result<Vec<PositionScore>, GenerateError> {
+pub fn score(
+    runner: &mut dyn ModelRunner,
+    alloc: &mut BlockAllocator,
+    tokens: &[u32],
+    top_k: usize,
+) -> Result<Vec<PositionScore>, GenerateError> {
     if tokens.len() < 2 {
         return Err(GenerateError::EmptyPrompt);
     }
     let mut table = Vec::new();
-    let rows = feed(runner, alloc, &mut table, &tokens[..tokens.len() - 1], 0, LogitsWanted::All);
+    let rows = feed(
+        runner,
+        alloc,
+        &mut table,
+        &tokens[..tokens.len() - 1],
+        0,
+        LogitsWanted::All,
+    );
     alloc.release(&table)?;
     Ok(rows?
         .iter()
@@ -110,7 +154,9 @@ pub fn score(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator, tokens: &
             let mut order: Vec<u32> = (0..lp.len() as u32).collect();
             let k = top_k.min(order.len());
             if k > 0 {
-                order.select_nth_unstable_by(k - 1, |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
+                order.select_nth_unstable_by(k - 1, |&a, &b| {
+                    lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b))
+                });
             }
             order.truncate(k);
             order.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));

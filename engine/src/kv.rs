@@ -38,7 +38,12 @@ impl KvCache {
     #[must_use]
     pub fn new(layers: usize, num_blocks: usize, layout: KvLayout) -> Self {
         let data = vec![0f32; layers * num_blocks * layout.block_floats()];
-        Self { layers, num_blocks, layout, data }
+        Self {
+            layers,
+            num_blocks,
+            layout,
+            data,
+        }
     }
 
     /// Block geometry.
@@ -85,7 +90,8 @@ impl KvCache {
         for h in 0..l.kv_heads {
             for (src, is_v) in [(k, false), (v, true)] {
                 let at = base + l.offset(block as usize, is_v, h) + slot * l.head_dim;
-                self.data[at..at + l.head_dim].copy_from_slice(&src[h * l.head_dim..(h + 1) * l.head_dim]);
+                self.data[at..at + l.head_dim]
+                    .copy_from_slice(&src[h * l.head_dim..(h + 1) * l.head_dim]);
             }
         }
     }
@@ -104,7 +110,10 @@ impl BlockAllocator {
     #[must_use]
     pub fn new(num_blocks: usize) -> Self {
         let free = (0..num_blocks as u32).rev().collect();
-        Self { free, used: vec![false; num_blocks] }
+        Self {
+            free,
+            used: vec![false; num_blocks],
+        }
     }
 
     /// Free blocks.
@@ -119,7 +128,10 @@ impl BlockAllocator {
     /// [`KvError::OutOfBlocks`] (taking none) when fewer than `n` are free.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>, KvError> {
         if n > self.free.len() {
-            return Err(KvError::OutOfBlocks { need: n, free: self.free.len() });
+            return Err(KvError::OutOfBlocks {
+                need: n,
+                free: self.free.len(),
+            });
         }
         let out = self.free.split_off(self.free.len() - n);
         for &b in &out {
@@ -132,7 +144,12 @@ impl BlockAllocator {
     ///
     /// # Errors
     /// [`KvError::OutOfBlocks`] when the blocks are not there (the table is unchanged).
-    pub fn ensure(&mut self, table: &mut Vec<u32>, positions: usize, block_size: usize) -> Result<(), KvError> {
+    pub fn ensure(
+        &mut self,
+        table: &mut Vec<u32>,
+        positions: usize,
+        block_size: usize,
+    ) -> Result<(), KvError> {
         let need = positions.div_ceil(block_size).saturating_sub(table.len());
         table.extend(self.allocate(need)?);
         Ok(())
@@ -188,7 +205,10 @@ mod tests {
     fn double_free_and_exhaustion_are_errors() {
         let mut a = BlockAllocator::new(2);
         let b = a.allocate(2).unwrap();
-        assert_eq!(a.allocate(1), Err(KvError::OutOfBlocks { need: 1, free: 0 }));
+        assert_eq!(
+            a.allocate(1),
+            Err(KvError::OutOfBlocks { need: 1, free: 0 })
+        );
         a.release(&b).unwrap();
         assert_eq!(a.release(&b[..1]), Err(KvError::NotAllocated(b[0])));
         let mut table = Vec::new();
@@ -198,9 +218,19 @@ mod tests {
 
     #[test]
     fn writes_land_where_the_layout_says() {
-        let layout = KvLayout { block_size: 4, kv_heads: 2, head_dim: 3 };
+        let layout = KvLayout {
+            block_size: 4,
+            kv_heads: 2,
+            head_dim: 3,
+        };
         let mut kv = KvCache::new(2, 3, layout);
-        kv.write(1, 2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[7.0, 8.0, 9.0, 10.0, 11.0, 12.0]);
+        kv.write(
+            1,
+            2,
+            3,
+            &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            &[7.0, 8.0, 9.0, 10.0, 11.0, 12.0],
+        );
         let l = kv.layer(1);
         assert_eq!(&l[layout.offset(2, false, 1) + 9..][..3], &[4.0, 5.0, 6.0]);
         assert_eq!(&l[layout.offset(2, true, 0) + 9..][..3], &[7.0, 8.0, 9.0]);

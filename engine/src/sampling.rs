@@ -29,7 +29,15 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, repetition_penalty: 1.0, frequency_penalty: 0.0, presence_penalty: 0.0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
     }
 }
 
@@ -46,7 +54,10 @@ impl SamplingParams {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+            return Err(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
         }
         if !self.frequency_penalty.is_finite() || !self.presence_penalty.is_finite() {
             return Err("penalties must be finite".into());
@@ -87,7 +98,8 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;
         let mut l = logits.to_vec();
-        let penalize = p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+        let penalize =
+            p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
         if penalize {
             let mut counts = std::collections::HashMap::<u32, u32>::new();
             for &t in history {
@@ -95,7 +107,11 @@ impl Sampler {
             }
             for (&t, &n) in &counts {
                 if let Some(v) = l.get_mut(t as usize) {
-                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
                     *v -= n as f32 * p.frequency_penalty + p.presence_penalty;
                 }
             }
@@ -109,7 +125,10 @@ impl Sampler {
             cand.truncate(p.top_k);
         }
         let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|&(_, v)| f64::from((v - max) / p.temperature).exp()).collect();
+        let mut probs: Vec<f64> = cand
+            .iter()
+            .map(|&(_, v)| f64::from((v - max) / p.temperature).exp())
+            .collect();
         let total: f64 = probs.iter().sum();
         let mut keep = probs.len();
         if p.top_p < 1.0 {
@@ -140,7 +159,11 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32) -> SamplingParams {
-        SamplingParams { temperature, seed: 7, ..SamplingParams::default() }
+        SamplingParams {
+            temperature,
+            seed: 7,
+            ..SamplingParams::default()
+        }
     }
 
     #[test]
@@ -153,7 +176,10 @@ mod tests {
     fn same_seed_same_tokens_and_different_seed_differs() {
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
         let run = |seed| {
-            let mut s = Sampler::new(SamplingParams { seed, ..params(1.0) });
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                ..params(1.0)
+            });
             (0..64).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(1));
@@ -163,8 +189,14 @@ mod tests {
     #[test]
     fn top_k_one_and_tiny_top_p_are_greedy() {
         let logits = [0.5, 2.0, 1.9, 0.0];
-        let mut k = Sampler::new(SamplingParams { top_k: 1, ..params(5.0) });
-        let mut p = Sampler::new(SamplingParams { top_p: 0.01, ..params(5.0) });
+        let mut k = Sampler::new(SamplingParams {
+            top_k: 1,
+            ..params(5.0)
+        });
+        let mut p = Sampler::new(SamplingParams {
+            top_p: 0.01,
+            ..params(5.0)
+        });
         for _ in 0..32 {
             assert_eq!(k.sample(&logits, &[]), 1);
             assert_eq!(p.sample(&logits, &[]), 1);
@@ -174,8 +206,12 @@ mod tests {
     #[test]
     fn top_k_bounds_the_candidates() {
         let logits = [1.0, 1.0, 1.0, 1.0, -5.0];
-        let mut s = Sampler::new(SamplingParams { top_k: 2, ..params(1.0) });
-        let seen: std::collections::HashSet<u32> = (0..200).map(|_| s.sample(&logits, &[])).collect();
+        let mut s = Sampler::new(SamplingParams {
+            top_k: 2,
+            ..params(1.0)
+        });
+        let seen: std::collections::HashSet<u32> =
+            (0..200).map(|_| s.sample(&logits, &[])).collect();
         assert_eq!(seen, [0, 1].into_iter().collect());
     }
 
@@ -183,26 +219,51 @@ mod tests {
     fn sampling_follows_the_distribution() {
         // p(0) = e^2 / (e^2 + 1) ≈ 0.88 at temperature 1.
         let mut s = Sampler::new(params(1.0));
-        let zeros = (0..2000).filter(|_| s.sample(&[2.0, 0.0], &[]) == 0).count();
+        let zeros = (0..2000)
+            .filter(|_| s.sample(&[2.0, 0.0], &[]) == 0)
+            .count();
         assert!((1650..1870).contains(&zeros), "{zeros}");
     }
 
     #[test]
     fn penalties_move_greedy_away_from_repeats() {
         let logits = [2.0, 1.9, 0.0];
-        let mut rep = Sampler::new(SamplingParams { repetition_penalty: 1.2, ..params(0.0) });
+        let mut rep = Sampler::new(SamplingParams {
+            repetition_penalty: 1.2,
+            ..params(0.0)
+        });
         assert_eq!(rep.sample(&logits, &[0]), 1);
-        let mut freq = Sampler::new(SamplingParams { frequency_penalty: 0.06, ..params(0.0) });
+        let mut freq = Sampler::new(SamplingParams {
+            frequency_penalty: 0.06,
+            ..params(0.0)
+        });
         assert_eq!(freq.sample(&logits, &[0]), 0);
         assert_eq!(freq.sample(&logits, &[0, 0]), 1);
-        let mut pres = Sampler::new(SamplingParams { presence_penalty: 0.5, ..params(0.0) });
+        let mut pres = Sampler::new(SamplingParams {
+            presence_penalty: 0.5,
+            ..params(0.0)
+        });
         assert_eq!(pres.sample(&logits, &[0, 0, 0]), 1);
     }
 
     #[test]
     fn validate_rejects_bad_ranges() {
-        assert!(SamplingParams { temperature: -1.0, ..SamplingParams::default() }.validate().is_err());
-        assert!(SamplingParams { top_p: 0.0, ..SamplingParams::default() }.validate().is_err());
+        assert!(
+            SamplingParams {
+                temperature: -1.0,
+                ..SamplingParams::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                top_p: 0.0,
+                ..SamplingParams::default()
+            }
+            .validate()
+            .is_err()
+        );
         assert!(SamplingParams::default().validate().is_ok());
     }
 }

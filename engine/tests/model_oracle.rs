@@ -27,10 +27,24 @@ fn fixture() -> MutexGuard<'static, Fixture> {
     let m = F.get_or_init(|| {
         let path = model_path();
         let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let weights = Arc::new(LlamaWeights::from_gguf(&file).unwrap_or_else(|e| panic!("loading {}: {e}", path.display())));
-        let runner = CpuBackend::new(weights, &CpuConfig { num_blocks: BLOCKS, ..CpuConfig::default() }).expect("backend");
+        let weights = Arc::new(
+            LlamaWeights::from_gguf(&file)
+                .unwrap_or_else(|e| panic!("loading {}: {e}", path.display())),
+        );
+        let runner = CpuBackend::new(
+            weights,
+            &CpuConfig {
+                num_blocks: BLOCKS,
+                ..CpuConfig::default()
+            },
+        )
+        .expect("backend");
         let tokenizer = Tokenizer::from_metadata(file.metadata()).expect("tokenizer");
-        Mutex::new(Fixture { runner, alloc: BlockAllocator::new(BLOCKS), tokenizer })
+        Mutex::new(Fixture {
+            runner,
+            alloc: BlockAllocator::new(BLOCKS),
+            tokenizer,
+        })
     });
     // A failed test poisons the lock; the fixture itself is still consistent.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -47,7 +61,9 @@ fn consistent_steps(tokenizer: &Tokenizer, p: &OraclePrompt) -> usize {
     let text = p.continuation_text.as_bytes();
     (0..p.steps.len())
         .take_while(|&i| {
-            let bytes = tokenizer.decode_bytes(&p.continuation[..=i], DecodeOptions { skip_special: true }).expect("oracle ids decode");
+            let bytes = tokenizer
+                .decode_bytes(&p.continuation[..=i], DecodeOptions { skip_special: true })
+                .expect("oracle ids decode");
             text.starts_with(&bytes)
         })
         .count()
@@ -58,7 +74,8 @@ fn teacher_forced_agreement_with_llama_cpp() {
     let oracle = oracle();
     let mut f = fixture();
     let f = &mut *f;
-    let (mut total, mut agree, mut confident, mut confident_agree) = (0usize, 0usize, 0usize, 0usize);
+    let (mut total, mut agree, mut confident, mut confident_agree) =
+        (0usize, 0usize, 0usize, 0usize);
     let mut lp_delta = 0f64;
     let mut failures = Vec::new();
     for p in &oracle.prompts {
@@ -69,11 +86,20 @@ fn teacher_forced_agreement_with_llama_cpp() {
         let first = p.prompt_tokens.len() - 1;
         let usable = consistent_steps(&f.tokenizer, p);
         if usable < p.steps.len() {
-            println!("{}: {} of {} steps usable (the oracle's ids drop bytes of a split character there)", p.id, usable, p.steps.len());
+            println!(
+                "{}: {} of {} steps usable (the oracle's ids drop bytes of a split character there)",
+                p.id,
+                usable,
+                p.steps.len()
+            );
         }
         for (i, step) in p.steps.iter().enumerate().take(usable) {
             let s = &scores[first + i];
-            assert_eq!(s.token, step.token, "{}: continuation/step mismatch in the oracle", p.id);
+            assert_eq!(
+                s.token, step.token,
+                "{}: continuation/step mismatch in the oracle",
+                p.id
+            );
             let (top1, lp1) = step.top[0];
             let margin = lp1 - step.top.get(1).map_or(f32::NEG_INFINITY, |t| t.1);
             total += 1;
@@ -83,10 +109,21 @@ fn teacher_forced_agreement_with_llama_cpp() {
                 confident += 1;
                 confident_agree += usize::from(ok);
                 if !ok {
-                    failures.push(format!("{} step {i}: ours {} vs llama.cpp {top1} (margin {margin:.2})", p.id, s.argmax));
+                    failures.push(format!(
+                        "{} step {i}: ours {} vs llama.cpp {top1} (margin {margin:.2})",
+                        p.id, s.argmax
+                    ));
                 }
             }
-            lp_delta += f64::from((s.logprob - step.top.iter().find(|t| t.0 == step.token).map_or(lp1, |t| t.1)).abs());
+            lp_delta += f64::from(
+                (s.logprob
+                    - step
+                        .top
+                        .iter()
+                        .find(|t| t.0 == step.token)
+                        .map_or(lp1, |t| t.1))
+                .abs(),
+            );
         }
     }
     let mean_delta = lp_delta / total as f64;
@@ -94,8 +131,15 @@ fn teacher_forced_agreement_with_llama_cpp() {
         "teacher-forced: {agree}/{total} argmax agree ({:.1}%), {confident_agree}/{confident} where margin >= 1.0, mean |Δ logprob| = {mean_delta:.4}",
         100.0 * agree as f64 / total as f64
     );
-    assert!(failures.is_empty(), "confident positions disagree:\n{}", failures.join("\n"));
-    assert!(agree as f64 >= 0.95 * total as f64, "only {agree}/{total} positions agree");
+    assert!(
+        failures.is_empty(),
+        "confident positions disagree:\n{}",
+        failures.join("\n")
+    );
+    assert!(
+        agree as f64 >= 0.95 * total as f64,
+        "only {agree}/{total} positions agree"
+    );
     assert!(mean_delta <= 0.3, "mean logprob delta {mean_delta}");
 }
 
@@ -106,8 +150,21 @@ fn greedy_matches_llama_cpp_on_safe_prefixes() {
     let f = &mut *f;
     for p in oracle.prompts.iter().filter(|p| p.safe_prefix > 0) {
         let mut sampler = Sampler::new(SamplingParams::default());
-        let out = generate(&mut f.runner, &mut f.alloc, &p.prompt_tokens, p.safe_prefix, &mut sampler, &[]).expect("generate");
-        assert_eq!(out, p.continuation[..p.safe_prefix], "{}: greedy tokens differ within the safe prefix", p.id);
+        let out = generate(
+            &mut f.runner,
+            &mut f.alloc,
+            &p.prompt_tokens,
+            p.safe_prefix,
+            &mut sampler,
+            &[],
+        )
+        .expect("generate");
+        assert_eq!(
+            out,
+            p.continuation[..p.safe_prefix],
+            "{}: greedy tokens differ within the safe prefix",
+            p.id
+        );
     }
 }
 
@@ -116,12 +173,21 @@ fn greedy_matches_llama_cpp_on_safe_prefixes() {
 fn alone(f: &mut Fixture, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
     let bs = f.runner.kv_geometry().block_size;
     let mut table = Vec::new();
-    f.alloc.ensure(&mut table, prompt.len() + steps, bs).expect("blocks");
+    f.alloc
+        .ensure(&mut table, prompt.len() + steps, bs)
+        .expect("blocks");
     let mut rows = Vec::new();
     let mut toks = Vec::new();
     let out = f
         .runner
-        .forward(&Batch { seqs: vec![SeqChunk { tokens: prompt.to_vec(), start_pos: 0, block_table: table.clone(), logits: LogitsWanted::All }] })
+        .forward(&Batch {
+            seqs: vec![SeqChunk {
+                tokens: prompt.to_vec(),
+                start_pos: 0,
+                block_table: table.clone(),
+                logits: LogitsWanted::All,
+            }],
+        })
         .expect("forward");
     rows.extend(out.rows_of(0).map(<[f32]>::to_vec));
     for s in 0..steps {
@@ -129,7 +195,14 @@ fn alone(f: &mut Fixture, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u
         toks.push(next);
         let out = f
             .runner
-            .forward(&Batch { seqs: vec![SeqChunk { tokens: vec![next], start_pos: prompt.len() + s, block_table: table.clone(), logits: LogitsWanted::All }] })
+            .forward(&Batch {
+                seqs: vec![SeqChunk {
+                    tokens: vec![next],
+                    start_pos: prompt.len() + s,
+                    block_table: table.clone(),
+                    logits: LogitsWanted::All,
+                }],
+            })
             .expect("forward");
         rows.extend(out.rows_of(0).map(<[f32]>::to_vec));
     }
@@ -140,7 +213,11 @@ fn alone(f: &mut Fixture, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u
 #[test]
 fn batched_steps_equal_single_sequence_steps() {
     let oracle = oracle();
-    let mut prompts: Vec<Vec<u32>> = oracle.prompts.iter().map(|p| p.prompt_tokens.clone()).collect();
+    let mut prompts: Vec<Vec<u32>> = oracle
+        .prompts
+        .iter()
+        .map(|p| p.prompt_tokens.clone())
+        .collect();
     // Sixteen sequences of mixed lengths: the oracle prompts plus two cut ones.
     prompts.push(oracle.prompts[9].prompt_tokens[..61].to_vec());
     prompts.push(oracle.prompts[1].prompt_tokens[..2].to_vec());
@@ -165,8 +242,15 @@ fn batched_steps_equal_single_sequence_steps() {
         .iter()
         .map(|p| {
             let mut table = Vec::new();
-            f.alloc.ensure(&mut table, p.len() + steps, bs).expect("blocks");
-            St { table, fed: 0, rows: Vec::new(), toks: Vec::new() }
+            f.alloc
+                .ensure(&mut table, p.len() + steps, bs)
+                .expect("blocks");
+            St {
+                table,
+                fed: 0,
+                rows: Vec::new(),
+                toks: Vec::new(),
+            }
         })
         .collect();
     for step in 0.. {
@@ -182,7 +266,12 @@ fn batched_steps_equal_single_sequence_steps() {
             } else {
                 vec![*s.toks.last().unwrap_or(&0)]
             };
-            batch.seqs.push(SeqChunk { tokens: chunk, start_pos: s.fed, block_table: s.table.clone(), logits: LogitsWanted::All });
+            batch.seqs.push(SeqChunk {
+                tokens: chunk,
+                start_pos: s.fed,
+                block_table: s.table.clone(),
+                logits: LogitsWanted::All,
+            });
             members.push(i);
         }
         if members.is_empty() {
@@ -199,7 +288,10 @@ fn batched_steps_equal_single_sequence_steps() {
         }
     }
     for (i, (s, (rows, toks))) in st.iter().zip(&singles).enumerate() {
-        assert_eq!(&s.toks, toks, "sequence {i}: greedy tokens differ in a batch");
+        assert_eq!(
+            &s.toks, toks,
+            "sequence {i}: greedy tokens differ in a batch"
+        );
         assert_eq!(s.rows.len() + 1, rows.len(), "sequence {i}: row count");
         for (r, (a, b)) in s.rows.iter().zip(rows).enumerate() {
             let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{Batch, BackendError, KvGeometry, Logits, LogitsWanted, ModelRunner};
+use super::{BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner};
 use crate::kernels::attention::{AttnQuery, KvLayout, attend};
 use crate::kernels::{Isa, QuantActs, ops};
 use crate::kv::KvCache;
@@ -31,7 +31,11 @@ pub struct CpuConfig {
 
 impl Default for CpuConfig {
     fn default() -> Self {
-        Self { threads: 0, block_size: 16, num_blocks: 1024 }
+        Self {
+            threads: 0,
+            block_size: 16,
+            num_blocks: 1024,
+        }
     }
 }
 
@@ -42,7 +46,9 @@ impl CpuConfig {
     /// A message naming the bad value.
     pub fn validate(&self) -> Result<(), String> {
         if self.block_size == 0 || self.num_blocks == 0 {
-            return Err(format!("KV store needs blocks of at least one position, got {self:?}"));
+            return Err(format!(
+                "KV store needs blocks of at least one position, got {self:?}"
+            ));
         }
         Ok(())
     }
@@ -72,7 +78,10 @@ pub struct CpuBackend {
 
 impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuBackend").field("isa", &self.isa).field("threads", &self.pool.current_num_threads()).finish_non_exhaustive()
+        f.debug_struct("CpuBackend")
+            .field("isa", &self.isa)
+            .field("threads", &self.pool.current_num_threads())
+            .finish_non_exhaustive()
     }
 }
 
@@ -84,12 +93,32 @@ impl CpuBackend {
     pub fn new(weights: Arc<LlamaWeights>, config: &CpuConfig) -> Result<Self, String> {
         config.validate()?;
         let c = &weights.config;
-        let layout = KvLayout { block_size: config.block_size, kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+        let layout = KvLayout {
+            block_size: config.block_size,
+            kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        };
         let kv = KvCache::new(c.n_layers, config.num_blocks, layout);
-        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(config.threads).build().map_err(|e| e.to_string())?);
+        let pool = Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(config.threads)
+                .build()
+                .map_err(|e| e.to_string())?,
+        );
         let isa = Isa::detect();
-        tracing::info!(?isa, threads = pool.current_num_threads(), blocks = config.num_blocks, "CPU backend ready");
-        Ok(Self { weights, kv, pool, isa, scratch: Scratch::default() })
+        tracing::info!(
+            ?isa,
+            threads = pool.current_num_threads(),
+            blocks = config.num_blocks,
+            "CPU backend ready"
+        );
+        Ok(Self {
+            weights,
+            kv,
+            pool,
+            isa,
+            scratch: Scratch::default(),
+        })
     }
 
     /// Forces an instruction set (tests compare the portable and SIMD paths).
@@ -111,21 +140,41 @@ impl CpuBackend {
             }
             let end = s.start_pos + s.tokens.len();
             if s.block_table.len() < end.div_ceil(bs) {
-                return bad(format!("block table of {} blocks cannot hold {end} positions", s.block_table.len()));
+                return bad(format!(
+                    "block table of {} blocks cannot hold {end} positions",
+                    s.block_table.len()
+                ));
             }
-            if let Some(b) = s.block_table[..end.div_ceil(bs)].iter().find(|&&b| b as usize >= self.kv.num_blocks()) {
-                return bad(format!("block {b} outside the KV store of {}", self.kv.num_blocks()));
+            if let Some(b) = s.block_table[..end.div_ceil(bs)]
+                .iter()
+                .find(|&&b| b as usize >= self.kv.num_blocks())
+            {
+                return bad(format!(
+                    "block {b} outside the KV store of {}",
+                    self.kv.num_blocks()
+                ));
             }
             for bi in s.start_pos / bs..end.div_ceil(bs) {
                 if !written.insert(s.block_table[bi]) {
-                    return bad(format!("block {} is written by two sequences", s.block_table[bi]));
+                    return bad(format!(
+                        "block {} is written by two sequences",
+                        s.block_table[bi]
+                    ));
                 }
             }
         }
         Ok(())
     }
 
-    fn run_linear(isa: Isa, parts: &[Linear], x: &[f32], n: usize, sc_acts: &mut QuantActs, mm: &mut Vec<f32>, out: &mut Vec<f32>) -> Result<(), BackendError> {
+    fn run_linear(
+        isa: Isa,
+        parts: &[Linear],
+        x: &[f32],
+        n: usize,
+        sc_acts: &mut QuantActs,
+        mm: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
         let rows: usize = parts.iter().map(Linear::rows).sum();
         out.resize(n * rows, 0.0);
         if let [only] = parts {
@@ -163,7 +212,10 @@ impl CpuBackend {
                 seq_of.push(i);
             }
         }
-        let rope: Vec<Vec<(f32, f32)>> = pos.iter().map(|&p| ops::rope_table(p, c.rope_dims, c.rope_base)).collect();
+        let rope: Vec<Vec<(f32, f32)>> = pos
+            .iter()
+            .map(|&p| ops::rope_table(p, c.rope_dims, c.rope_base))
+            .collect();
         let sc = &mut self.scratch;
         sc.x.resize(n * dim, 0.0);
         for (t, tok) in batch.seqs.iter().flat_map(|s| s.tokens.iter()).enumerate() {
@@ -175,30 +227,74 @@ impl CpuBackend {
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in w.layers.iter().enumerate() {
             ops::rms_norm(&sc.x, &layer.attn_norm, c.norm_eps, &mut sc.h);
-            Self::run_linear(isa, &layer.qkv, &sc.h, n, &mut sc.acts, &mut sc.mm, &mut sc.qkv)?;
+            Self::run_linear(
+                isa,
+                &layer.qkv,
+                &sc.h,
+                n,
+                &mut sc.acts,
+                &mut sc.mm,
+                &mut sc.qkv,
+            )?;
             let qkv_w = dim + 2 * kvd;
             for t in 0..n {
                 let row = &mut sc.qkv[t * qkv_w..(t + 1) * qkv_w];
                 ops::rope_in_place(&mut row[..dim + kvd], hd, &rope[t]);
                 let (k, v) = row[dim..].split_at(kvd);
                 let s = &batch.seqs[seq_of[t]];
-                self.kv.write(li, s.block_table[pos[t] / bs], pos[t] % bs, k, v);
+                self.kv
+                    .write(li, s.block_table[pos[t] / bs], pos[t] % bs, k, v);
             }
             let kv_layer = self.kv.layer(li);
             let qkv = &sc.qkv;
             let (pos, seq_of) = (&pos, &seq_of);
-            sc.attn.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
-                let (t, kh) = (i / c.n_kv_heads, i % c.n_kv_heads);
-                let q = &qkv[t * qkv_w + kh * group * hd..][..group * hd];
-                let query = AttnQuery { layer: kv_layer, layout, table: &batch.seqs[seq_of[t]].block_table, pos: pos[t], kv_head: kh, q, scale };
-                attend(&query, scores, out);
-            });
-            Self::run_linear(isa, std::slice::from_ref(&layer.wo), &sc.attn, n, &mut sc.acts, &mut sc.mm, &mut sc.proj)?;
+            sc.attn
+                .par_chunks_mut(group * hd)
+                .enumerate()
+                .for_each_init(Vec::new, |scores, (i, out)| {
+                    let (t, kh) = (i / c.n_kv_heads, i % c.n_kv_heads);
+                    let q = &qkv[t * qkv_w + kh * group * hd..][..group * hd];
+                    let query = AttnQuery {
+                        layer: kv_layer,
+                        layout,
+                        table: &batch.seqs[seq_of[t]].block_table,
+                        pos: pos[t],
+                        kv_head: kh,
+                        q,
+                        scale,
+                    };
+                    attend(&query, scores, out);
+                });
+            Self::run_linear(
+                isa,
+                std::slice::from_ref(&layer.wo),
+                &sc.attn,
+                n,
+                &mut sc.acts,
+                &mut sc.mm,
+                &mut sc.proj,
+            )?;
             ops::add_in_place(&mut sc.x, &sc.proj);
             ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
-            Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.mm, &mut sc.gate_up)?;
+            Self::run_linear(
+                isa,
+                &layer.gate_up,
+                &sc.h,
+                n,
+                &mut sc.acts,
+                &mut sc.mm,
+                &mut sc.gate_up,
+            )?;
             ops::swiglu(&sc.gate_up, c.ffn_dim, &mut sc.ffn);
-            Self::run_linear(isa, std::slice::from_ref(&layer.down), &sc.ffn, n, &mut sc.acts, &mut sc.mm, &mut sc.proj)?;
+            Self::run_linear(
+                isa,
+                std::slice::from_ref(&layer.down),
+                &sc.ffn,
+                n,
+                &mut sc.acts,
+                &mut sc.mm,
+                &mut sc.proj,
+            )?;
             ops::add_in_place(&mut sc.x, &sc.proj);
         }
         // Only the rows someone asked for go through the (large) output head.
@@ -224,8 +320,20 @@ impl CpuBackend {
         sc.h.resize(m * dim, 0.0);
         ops::rms_norm(&sel, &w.output_norm, c.norm_eps, &mut sc.h);
         let mut data = Vec::new();
-        Self::run_linear(isa, std::slice::from_ref(&w.output), &sc.h, m, &mut sc.acts, &mut sc.mm, &mut data)?;
-        Ok(Logits { vocab: c.vocab, data, spans })
+        Self::run_linear(
+            isa,
+            std::slice::from_ref(&w.output),
+            &sc.h,
+            m,
+            &mut sc.acts,
+            &mut sc.mm,
+            &mut data,
+        )?;
+        Ok(Logits {
+            vocab: c.vocab,
+            data,
+            spans,
+        })
     }
 }
 
@@ -235,13 +343,19 @@ impl ModelRunner for CpuBackend {
     }
 
     fn kv_geometry(&self) -> KvGeometry {
-        KvGeometry { block_size: self.kv.layout().block_size, num_blocks: self.kv.num_blocks() }
+        KvGeometry {
+            block_size: self.kv.layout().block_size,
+            num_blocks: self.kv.num_blocks(),
+        }
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
         self.validate(batch)?;
         if batch.seqs.is_empty() {
-            return Ok(Logits { vocab: self.weights.config.vocab, ..Logits::default() });
+            return Ok(Logits {
+                vocab: self.weights.config.vocab,
+                ..Logits::default()
+            });
         }
         // Running the whole step inside the pool keeps the caller's thread a worker,
         // so each product's fork/join does not cross into a sleeping thread.

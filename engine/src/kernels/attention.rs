@@ -26,7 +26,8 @@ impl KvLayout {
     /// Offset of `(block, k_or_v, head)` within a layer.
     #[must_use]
     pub fn offset(&self, block: usize, v: bool, head: usize) -> usize {
-        block * self.block_floats() + (usize::from(v) * self.kv_heads + head) * self.block_size * self.head_dim
+        block * self.block_floats()
+            + (usize::from(v) * self.kv_heads + head) * self.block_size * self.head_dim
     }
 }
 
@@ -82,7 +83,15 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 /// When the block table does not cover `pos` or a block lies outside `layer`.
 #[inline(always)]
 pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let AttnQuery { layer, layout, table, pos, kv_head, q, scale } = *query;
+    let AttnQuery {
+        layer,
+        layout,
+        table,
+        pos,
+        kv_head,
+        q,
+        scale,
+    } = *query;
     let (bs, hd) = (layout.block_size, layout.head_dim);
     let group = q.len() / hd;
     let ctx = pos + 1;
@@ -107,7 +116,11 @@ pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]
         let vb = &layer[layout.offset(block as usize, true, kv_head)..][..n * hd];
         for (s, v) in vb.chunks_exact(hd).enumerate() {
             for h in 0..group {
-                axpy(&mut out[h * hd..(h + 1) * hd], scores[h * ctx + bi * bs + s], v);
+                axpy(
+                    &mut out[h * hd..(h + 1) * hd],
+                    scores[h * ctx + bi * bs + s],
+                    v,
+                );
             }
         }
     }

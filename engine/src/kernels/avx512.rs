@@ -7,10 +7,11 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512, __m512i, _mm512_add_epi32, _mm512_and_si512, _mm512_castsi512_si256, _mm512_cvtepi32_ps,
-    _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_extracti64x4_epi64, _mm512_fmadd_ps, _mm512_load_si512,
-    _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
-    _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    __m512, __m512i, _mm512_add_epi32, _mm512_and_si512, _mm512_castsi512_si256,
+    _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_extracti64x4_epi64,
+    _mm512_fmadd_ps, _mm512_load_si512, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srli_epi16, _mm512_storeu_ps,
+    _mm512_sub_epi32,
 };
 
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
@@ -32,7 +33,10 @@ pub fn available() -> bool {
 /// When the shapes disagree, or when called on a CPU without the features
 /// [`available`] checks.
 pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
-    assert!(available(), "AVX-512 VNNI kernel called on a CPU without it");
+    assert!(
+        available(),
+        "AVX-512 VNNI kernel called on a CPU without it"
+    );
     assert!(x.cols == w.cols() && out.len() >= x.n * GROUP && g < w.groups());
     assert!(x.q.len() >= x.n * x.cols && x.d.len() >= x.n * w.nblocks());
     assert!(x.s.len() == x.d.len() && x.qsum.len() == x.d.len());
@@ -60,7 +64,13 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn tile<const NT: usize, const NIBBLE: bool>(w: &PackedMatrix, g: usize, x: &QuantActs, t0: usize, out: &mut [f32]) {
+unsafe fn tile<const NT: usize, const NIBBLE: bool>(
+    w: &PackedMatrix,
+    g: usize,
+    x: &QuantActs,
+    t0: usize,
+    out: &mut [f32],
+) {
     let nb = w.nblocks();
     let stride = w.stride();
     let cols = x.cols;
@@ -91,7 +101,14 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(w: &PackedMatrix, g: usize, 
         for (t, a) in acc.iter_mut().enumerate() {
             let row = t0 + t;
             let xb = &x.q[row * cols + b * QK..][..QK];
-            let dword = |j: usize| i32::from_le_bytes([xb[4 * j] as u8, xb[4 * j + 1] as u8, xb[4 * j + 2] as u8, xb[4 * j + 3] as u8]);
+            let dword = |j: usize| {
+                i32::from_le_bytes([
+                    xb[4 * j] as u8,
+                    xb[4 * j + 1] as u8,
+                    xb[4 * j + 2] as u8,
+                    xb[4 * j + 3] as u8,
+                ])
+            };
             let mut i0 = _mm512_setzero_si512();
             let mut i1 = _mm512_setzero_si512();
             for j in (0..8).step_by(2) {
@@ -103,7 +120,11 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(w: &PackedMatrix, g: usize, 
             if !NIBBLE {
                 isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.qsum[bi]));
             }
-            *a = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(x.d[bi])), _mm512_cvtepi32_ps(isum), *a);
+            *a = _mm512_fmadd_ps(
+                _mm512_mul_ps(dv, _mm512_set1_ps(x.d[bi])),
+                _mm512_cvtepi32_ps(isum),
+                *a,
+            );
             if NIBBLE {
                 *a = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[bi]), *a);
             }

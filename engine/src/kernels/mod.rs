@@ -79,7 +79,13 @@ fn group_kernel(isa: Isa, w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [
 ///
 /// # Errors
 /// [`KernelError::Shape`] when `x.cols != w.cols()` or `out` is not `x.n * w.rows()`.
-pub fn matmul(isa: Isa, w: &PackedMatrix, x: &QuantActs, scratch: &mut Vec<f32>, out: &mut [f32]) -> Result<(), KernelError> {
+pub fn matmul(
+    isa: Isa,
+    w: &PackedMatrix,
+    x: &QuantActs,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     let (n, rows) = (x.n, w.rows());
     if x.cols != w.cols() || out.len() != n * rows {
         return Err(KernelError::Shape(format!(
@@ -99,11 +105,14 @@ pub fn matmul(isa: Isa, w: &PackedMatrix, x: &QuantActs, scratch: &mut Vec<f32>,
     let threads = rayon::current_num_threads().max(1);
     // Several chunks per thread so an uneven split (or a busy core) evens out.
     let chunk_groups = groups.div_ceil(threads * 4).max(1);
-    scratch.par_chunks_mut(chunk_groups * per_group).enumerate().for_each(|(ci, buf)| {
-        for (k, gbuf) in buf.chunks_exact_mut(per_group).enumerate() {
-            group_kernel(isa, w, ci * chunk_groups + k, x, gbuf);
-        }
-    });
+    scratch
+        .par_chunks_mut(chunk_groups * per_group)
+        .enumerate()
+        .for_each(|(ci, buf)| {
+            for (k, gbuf) in buf.chunks_exact_mut(per_group).enumerate() {
+                group_kernel(isa, w, ci * chunk_groups + k, x, gbuf);
+            }
+        });
     for (g, gbuf) in scratch.chunks_exact(per_group).enumerate() {
         let r0 = g * GROUP;
         let width = GROUP.min(rows - r0);

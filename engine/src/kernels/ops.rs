@@ -9,7 +9,7 @@
 /// When `weight.len() != dim` or the buffers are not whole rows of equal length.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
-    assert!(dim > 0 && x.len() == out.len() && x.len() % dim == 0);
+    assert!(dim > 0 && x.len() == out.len() && x.len().is_multiple_of(dim));
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         let sum: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
         let mean = (sum / dim as f64) as f32;
@@ -37,7 +37,7 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
 /// # Panics
 /// When `gate_up` is not `2 * ffn` times the rows of `out`.
 pub fn swiglu(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
-    assert!(ffn > 0 && gate_up.len() == 2 * out.len() && out.len() % ffn == 0);
+    assert!(ffn > 0 && gate_up.len() == 2 * out.len() && out.len().is_multiple_of(ffn));
     for (gu, o) in gate_up.chunks_exact(2 * ffn).zip(out.chunks_exact_mut(ffn)) {
         let (g, u) = gu.split_at(ffn);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
@@ -69,7 +69,7 @@ pub fn rope_table(pos: usize, n_dims: usize, freq_base: f32) -> Vec<(f32, f32)> 
 /// # Panics
 /// When `x` is not a whole number of heads or the table is wider than a head.
 pub fn rope_in_place(x: &mut [f32], head_dim: usize, table: &[(f32, f32)]) {
-    assert!(head_dim > 0 && x.len() % head_dim == 0 && table.len() * 2 <= head_dim);
+    assert!(head_dim > 0 && x.len().is_multiple_of(head_dim) && table.len() * 2 <= head_dim);
     for head in x.chunks_exact_mut(head_dim) {
         for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
             let (x0, x1) = (pair[0], pair[1]);

@@ -19,7 +19,9 @@
 use half::f16;
 
 use super::KernelError;
-use super::quant::{Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightFormat, dequantize_row, round_f16};
+use super::quant::{
+    Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightFormat, dequantize_row, round_f16,
+};
 
 /// Rows interleaved per group.
 pub const GROUP: usize = 16;
@@ -80,10 +82,16 @@ impl PackedMatrix {
         let kind = match first.format {
             WeightFormat::Q4_1 => PackedKind::Nibble,
             WeightFormat::Q8_0 => PackedKind::Byte,
-            other => return Err(KernelError::Unsupported(format!("packing {other:?} weights"))),
+            other => {
+                return Err(KernelError::Unsupported(format!(
+                    "packing {other:?} weights"
+                )));
+            }
         };
-        if cols == 0 || cols % QK != 0 {
-            return Err(KernelError::Shape(format!("{cols} columns is not a multiple of {QK}")));
+        if cols == 0 || !cols.is_multiple_of(QK) {
+            return Err(KernelError::Shape(format!(
+                "{cols} columns is not a multiple of {QK}"
+            )));
         }
         let row_bytes = first.format.row_bytes(cols)?;
         let mut rows = 0usize;
@@ -94,7 +102,10 @@ impl PackedMatrix {
                     p.format, first.format
                 )));
             }
-            let need = p.rows.checked_mul(row_bytes).ok_or_else(|| KernelError::Shape("matrix too large".into()))?;
+            let need = p
+                .rows
+                .checked_mul(row_bytes)
+                .ok_or_else(|| KernelError::Shape("matrix too large".into()))?;
             if p.data.len() != need {
                 return Err(KernelError::Shape(format!(
                     "{} rows of {cols} {:?} need {need} bytes, got {}",
@@ -121,7 +132,13 @@ impl PackedMatrix {
         let len = groups * (cols / QK) * (SCALE_BYTES + kind.quant_bytes());
         let storage = vec![0u8; len + ALIGN];
         let offset = storage.as_ptr().align_offset(ALIGN).min(ALIGN);
-        Self { rows, cols, kind, storage, offset }
+        Self {
+            rows,
+            cols,
+            kind,
+            storage,
+            offset,
+        }
     }
 
     fn put_row(&mut self, r: usize, src: &[u8]) {
@@ -240,7 +257,10 @@ impl PackedMatrix {
     /// # Panics
     /// When `r >= rows` or `out.len() != cols`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        assert!(r < self.rows && out.len() == self.cols, "row {r} out of range");
+        assert!(
+            r < self.rows && out.len() == self.cols,
+            "row {r} out of range"
+        );
         let (g, lane) = (r / GROUP, r % GROUP);
         let stride = self.stride();
         let data = self.data();
@@ -282,7 +302,7 @@ impl QuantActs {
     /// # Errors
     /// [`KernelError::Shape`] when `cols` is not a multiple of [`QK`] or `x` is not `n * cols` long.
     pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
-        if cols % QK != 0 || x.len() != n * cols {
+        if !cols.is_multiple_of(QK) || x.len() != n * cols {
             return Err(KernelError::Shape(format!(
                 "cannot quantize {} values as {n} rows of {cols}",
                 x.len()
@@ -295,7 +315,11 @@ impl QuantActs {
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
         self.qsum.resize(nb, 0);
-        for (bi, (xb, qb)) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).enumerate() {
+        for (bi, (xb, qb)) in x
+            .chunks_exact(QK)
+            .zip(self.q.chunks_exact_mut(QK))
+            .enumerate()
+        {
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
             let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
@@ -318,7 +342,12 @@ impl QuantActs {
 ///
 /// # Errors
 /// [`KernelError::Shape`] when the byte length does not match the shape.
-pub fn dequantize_matrix(format: WeightFormat, data: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, KernelError> {
+pub fn dequantize_matrix(
+    format: WeightFormat,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, KernelError> {
     let rb = format.row_bytes(cols)?;
     if data.len() != rows * rb {
         return Err(KernelError::Shape(format!(
@@ -328,7 +357,10 @@ pub fn dequantize_matrix(format: WeightFormat, data: &[u8], rows: usize, cols: u
         )));
     }
     let mut out = vec![0f32; rows * cols];
-    for (o, s) in out.chunks_exact_mut(cols.max(1)).zip(data.chunks_exact(rb.max(1))) {
+    for (o, s) in out
+        .chunks_exact_mut(cols.max(1))
+        .zip(data.chunks_exact(rb.max(1)))
+    {
         dequantize_row(format, s, o)?;
     }
     Ok(out)

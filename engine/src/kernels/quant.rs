@@ -56,7 +56,7 @@ impl WeightFormat {
     /// # Errors
     /// [`KernelError::Shape`] when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Result<usize, KernelError> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return Err(KernelError::Shape(format!(
                 "{self:?} row of {n} elements is not a whole number of {}-element blocks",
                 self.block_elems()
@@ -74,7 +74,11 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
 ///
 /// # Errors
 /// [`KernelError::Shape`] when `src` does not hold exactly that many elements.
-pub fn dequantize_row(format: WeightFormat, src: &[u8], out: &mut [f32]) -> Result<(), KernelError> {
+pub fn dequantize_row(
+    format: WeightFormat,
+    src: &[u8],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     let need = format.row_bytes(out.len())?;
     if src.len() != need {
         return Err(KernelError::Shape(format!(
@@ -95,7 +99,10 @@ pub fn dequantize_row(format: WeightFormat, src: &[u8], out: &mut [f32]) -> Resu
             }
         }
         WeightFormat::Q4_1 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(Q4_1_BLOCK_BYTES)) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(src.chunks_exact(Q4_1_BLOCK_BYTES))
+            {
                 let d = f16_at(b, 0);
                 let m = f16_at(b, 2);
                 for j in 0..QK / 2 {
@@ -106,7 +113,10 @@ pub fn dequantize_row(format: WeightFormat, src: &[u8], out: &mut [f32]) -> Resu
             }
         }
         WeightFormat::Q8_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(Q8_0_BLOCK_BYTES)) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(src.chunks_exact(Q8_0_BLOCK_BYTES))
+            {
                 let d = f16_at(b, 0);
                 for j in 0..QK {
                     o[j] = f32::from(b[2 + j].cast_signed()) * d;

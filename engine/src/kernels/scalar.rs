@@ -24,7 +24,8 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
                 let xq = &x.q[t * x.cols + b * QK..][..QK];
                 let mut isum = 0i32;
                 for (k, &q) in xq.iter().enumerate() {
-                    isum += i32::from(PackedMatrix::quant_in_block(kind, blk, lane, k)) * i32::from(q);
+                    isum +=
+                        i32::from(PackedMatrix::quant_in_block(kind, blk, lane, k)) * i32::from(q);
                 }
                 let bi = t * nb + b;
                 let (d, m) = PackedMatrix::scales_in_block(blk, lane);

@@ -12,7 +12,8 @@ fn random_blocks(format: WeightFormat, rows: usize, cols: usize, seed: &[u8]) ->
     let mut it = seed.iter().cycle().copied();
     let mut next = move || it.next().unwrap_or(0);
     for i in 0..nb {
-        let d = f16::from_f32(0.001 + f32::from(next()) / 2048.0 * if i % 3 == 0 { 4.0 } else { 1.0 });
+        let d =
+            f16::from_f32(0.001 + f32::from(next()) / 2048.0 * if i % 3 == 0 { 4.0 } else { 1.0 });
         out.extend_from_slice(&d.to_le_bytes());
         match format {
             WeightFormat::Q4_1 => {
@@ -50,7 +51,8 @@ fn reference(w: &[f32], x: &[f32], rows: usize, cols: usize, n: usize) -> (Vec<f
                 let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for (&wv, &xv) in wb.iter().zip(xb) {
                     s += f64::from(wv) * f64::from(xv);
-                    b += f64::from(wv.abs()) * (f64::from(amax) / 127.0 * 0.51 + f64::from(xv.abs()) / 1024.0);
+                    b += f64::from(wv.abs())
+                        * (f64::from(amax) / 127.0 * 0.51 + f64::from(xv.abs()) / 1024.0);
                 }
             }
             exact[t * rows + r] = s;
@@ -130,11 +132,39 @@ fn quantized_activations_follow_ggml() {
 #[test]
 fn mismatched_shapes_are_errors() {
     let raw = random_blocks(WeightFormat::Q4_1, 2, 32, &[1, 2, 3]);
-    assert!(PackedMatrix::pack(64, &[RowSource { format: WeightFormat::Q4_1, rows: 2, data: &raw }]).is_err());
-    let m = PackedMatrix::pack(32, &[RowSource { format: WeightFormat::Q4_1, rows: 2, data: &raw }]).unwrap();
+    assert!(
+        PackedMatrix::pack(
+            64,
+            &[RowSource {
+                format: WeightFormat::Q4_1,
+                rows: 2,
+                data: &raw
+            }]
+        )
+        .is_err()
+    );
+    let m = PackedMatrix::pack(
+        32,
+        &[RowSource {
+            format: WeightFormat::Q4_1,
+            rows: 2,
+            data: &raw,
+        }],
+    )
+    .unwrap();
     let mut acts = QuantActs::default();
     acts.quantize(&[0.5; 64], 1, 64).unwrap();
     assert!(matmul(Isa::Scalar, &m, &acts, &mut Vec::new(), &mut [0.0; 2]).is_err());
     let f = [0u8; 8];
-    assert!(PackedMatrix::pack(32, &[RowSource { format: WeightFormat::F32, rows: 2, data: &f }]).is_err());
+    assert!(
+        PackedMatrix::pack(
+            32,
+            &[RowSource {
+                format: WeightFormat::F32,
+                rows: 2,
+                data: &f
+            }]
+        )
+        .is_err()
+    );
 }

@@ -93,7 +93,7 @@ impl LlamaConfig {
         let u = |k: &str| md.get_u32(&format!("llama.{k}")).map(|v| v as usize);
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
-        let head_dim = if n_heads == 0 { 0 } else { dim / n_heads };
+        let head_dim = dim.checked_div(n_heads).unwrap_or(0);
         let vocab = match md.get_u32_opt("llama.vocab_size")? {
             Some(v) => v as usize,
             None => md.get_str_array("tokenizer.ggml.tokens")?.len(),
@@ -103,10 +103,14 @@ impl LlamaConfig {
             dim,
             ffn_dim: u("feed_forward_length")?,
             n_heads,
-            n_kv_heads: md.get_u32_opt("llama.attention.head_count_kv")?.map_or(n_heads, |v| v as usize),
+            n_kv_heads: md
+                .get_u32_opt("llama.attention.head_count_kv")?
+                .map_or(n_heads, |v| v as usize),
             head_dim,
             vocab,
-            rope_dims: md.get_u32_opt("llama.rope.dimension_count")?.map_or(head_dim, |v| v as usize),
+            rope_dims: md
+                .get_u32_opt("llama.rope.dimension_count")?
+                .map_or(head_dim, |v| v as usize),
             rope_base: md.get_f32_opt("llama.rope.freq_base")?.unwrap_or(10_000.0),
             norm_eps: md.get_f32("llama.attention.layer_norm_rms_epsilon")?,
             context_length: u("context_length")?,
@@ -124,17 +128,29 @@ impl LlamaConfig {
         if self.n_layers == 0 || self.dim == 0 || self.ffn_dim == 0 || self.vocab == 0 {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            return bad(format!("{} heads cannot share {} KV heads", self.n_heads, self.n_kv_heads));
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!(
+                "{} heads cannot share {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if self.head_dim * self.n_heads != self.dim {
-            return bad(format!("{} heads do not divide width {}", self.n_heads, self.dim));
+            return bad(format!(
+                "{} heads do not divide width {}",
+                self.n_heads, self.dim
+            ));
         }
-        if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
-            return bad(format!("rope over {} of {} head dims", self.rope_dims, self.head_dim));
+        if self.rope_dims > self.head_dim || !self.rope_dims.is_multiple_of(2) {
+            return bad(format!(
+                "rope over {} of {} head dims",
+                self.rope_dims, self.head_dim
+            ));
         }
         if !(self.rope_base > 0.0 && self.norm_eps >= 0.0) {
-            return bad(format!("rope base {} / norm eps {}", self.rope_base, self.norm_eps));
+            return bad(format!(
+                "rope base {} / norm eps {}",
+                self.rope_base, self.norm_eps
+            ));
         }
         Ok(())
     }
@@ -176,7 +192,15 @@ impl Linear {
     ///
     /// # Errors
     /// Shape mismatches from the kernels.
-    pub fn forward(&self, isa: kernels::Isa, x: &[f32], n: usize, acts: &mut QuantActs, scratch: &mut Vec<f32>, out: &mut [f32]) -> Result<(), KernelError> {
+    pub fn forward(
+        &self,
+        isa: kernels::Isa,
+        x: &[f32],
+        n: usize,
+        acts: &mut QuantActs,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
         match self {
             Self::Packed(m) => {
                 acts.quantize(x, n, m.cols())?;
@@ -184,7 +208,10 @@ impl Linear {
             }
             Self::Dense { rows, cols, w } => {
                 if x.len() != n * cols || out.len() != n * rows {
-                    return Err(KernelError::Shape(format!("dense {rows}×{cols} on {} inputs", x.len())));
+                    return Err(KernelError::Shape(format!(
+                        "dense {rows}×{cols} on {} inputs",
+                        x.len()
+                    )));
                 }
                 for (xr, or) in x.chunks_exact(*cols).zip(out.chunks_exact_mut(*rows)) {
                     for (o, wr) in or.iter_mut().zip(w.chunks_exact(*cols)) {
@@ -216,7 +243,9 @@ impl Embedding {
         let row = self
             .data
             .get(start..start + self.row_bytes)
-            .ok_or_else(|| KernelError::Shape(format!("token {token} outside the embedding table")))?;
+            .ok_or_else(|| {
+                KernelError::Shape(format!("token {token} outside the embedding table"))
+            })?;
         kernels::quant::dequantize_row(self.format, row, &mut out[..self.dim])
     }
 }
@@ -260,15 +289,27 @@ fn format_of(t: &TensorView<'_>) -> Result<WeightFormat, ModelError> {
         GgmlType::Q4_1 => WeightFormat::Q4_1,
         GgmlType::Q8_0 => WeightFormat::Q8_0,
         other => {
-            return Err(GgufError::UnsupportedTensorType { dtype: other.name().to_owned(), tensor: t.name.to_owned() }.into());
+            return Err(GgufError::UnsupportedTensorType {
+                dtype: other.name().to_owned(),
+                tensor: t.name.to_owned(),
+            }
+            .into());
         }
     })
 }
 
-fn matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Result<(TensorView<'a>, WeightFormat), ModelError> {
+fn matrix<'a>(
+    file: &'a GgufFile,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<(TensorView<'a>, WeightFormat), ModelError> {
     let t = file.tensor(name)?;
     if t.dims.len() != 2 || t.dims[0] != cols as u64 || t.dims[1] != rows as u64 {
-        return Err(ModelError::Invalid(format!("{name} has shape {:?}, expected [{cols}, {rows}]", t.dims)));
+        return Err(ModelError::Invalid(format!(
+            "{name} has shape {:?}, expected [{cols}, {rows}]",
+            t.dims
+        )));
     }
     let f = format_of(&t)?;
     Ok((t, f))
@@ -276,44 +317,79 @@ fn matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Resul
 
 /// Builds the layer(s) for matrices that read the same input: one stacked packed
 /// matrix when all share a block format, else one layer each.
-fn stacked(file: &GgufFile, parts: &[(&str, usize)], cols: usize) -> Result<Vec<Linear>, ModelError> {
-    let views = parts.iter().map(|&(n, r)| matrix(file, n, r, cols)).collect::<Result<Vec<_>, _>>()?;
-    let same_quant = views.iter().all(|(_, f)| *f == views[0].1 && matches!(f, WeightFormat::Q4_1 | WeightFormat::Q8_0));
+fn stacked(
+    file: &GgufFile,
+    parts: &[(&str, usize)],
+    cols: usize,
+) -> Result<Vec<Linear>, ModelError> {
+    let views = parts
+        .iter()
+        .map(|&(n, r)| matrix(file, n, r, cols))
+        .collect::<Result<Vec<_>, _>>()?;
+    let same_quant = views
+        .iter()
+        .all(|(_, f)| *f == views[0].1 && matches!(f, WeightFormat::Q4_1 | WeightFormat::Q8_0));
     let kerr = |tensor: &str| {
         let tensor = tensor.to_owned();
         move |source| ModelError::Kernel { tensor, source }
     };
     if same_quant && views.len() > 1 {
-        let sources: Vec<RowSource<'_>> = views.iter().zip(parts).map(|((t, f), &(_, rows))| RowSource { format: *f, rows, data: t.data }).collect();
-        return Ok(vec![Linear::Packed(PackedMatrix::pack(cols, &sources).map_err(kerr(parts[0].0))?)]);
+        let sources: Vec<RowSource<'_>> = views
+            .iter()
+            .zip(parts)
+            .map(|((t, f), &(_, rows))| RowSource {
+                format: *f,
+                rows,
+                data: t.data,
+            })
+            .collect();
+        return Ok(vec![Linear::Packed(
+            PackedMatrix::pack(cols, &sources).map_err(kerr(parts[0].0))?,
+        )]);
     }
     views
         .iter()
         .zip(parts)
         .map(|((t, f), &(name, rows))| match f {
-            WeightFormat::Q4_1 | WeightFormat::Q8_0 => {
-                PackedMatrix::pack(cols, &[RowSource { format: *f, rows, data: t.data }]).map(Linear::Packed).map_err(kerr(name))
+            WeightFormat::Q4_1 | WeightFormat::Q8_0 => PackedMatrix::pack(
+                cols,
+                &[RowSource {
+                    format: *f,
+                    rows,
+                    data: t.data,
+                }],
+            )
+            .map(Linear::Packed)
+            .map_err(kerr(name)),
+            WeightFormat::F16 | WeightFormat::F32 => {
+                kernels::pack::dequantize_matrix(*f, t.data, rows, cols)
+                    .map(|w| Linear::Dense { rows, cols, w })
+                    .map_err(kerr(name))
             }
-            WeightFormat::F16 | WeightFormat::F32 => kernels::pack::dequantize_matrix(*f, t.data, rows, cols)
-                .map(|w| Linear::Dense { rows, cols, w })
-                .map_err(kerr(name)),
         })
         .collect()
 }
 
 fn single(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Linear, ModelError> {
     let mut v = stacked(file, &[(name, rows)], cols)?;
-    v.pop().ok_or_else(|| ModelError::Invalid(format!("{name} produced no layer")))
+    v.pop()
+        .ok_or_else(|| ModelError::Invalid(format!("{name} produced no layer")))
 }
 
 fn vector(file: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
     let t = file.tensor(name)?;
     if t.n_elements() != len as u64 {
-        return Err(ModelError::Invalid(format!("{name} has shape {:?}, expected [{len}]", t.dims)));
+        return Err(ModelError::Invalid(format!(
+            "{name} has shape {:?}, expected [{len}]",
+            t.dims
+        )));
     }
     let f = format_of(&t)?;
     let mut out = vec![0f32; len];
-    kernels::quant::dequantize_row(f, t.data, &mut out).map_err(|source| ModelError::Kernel { tensor: name.to_owned(), source })?;
+    kernels::quant::dequantize_row(f, t.data, &mut out).map_err(|source| ModelError::Kernel {
+        tensor: name.to_owned(),
+        source,
+    })?;
     Ok(out)
 }
 
@@ -329,7 +405,10 @@ impl LlamaWeights {
         let embed = Embedding {
             format: ef,
             dim,
-            row_bytes: ef.row_bytes(dim).map_err(|source| ModelError::Kernel { tensor: "token_embd.weight".into(), source })?,
+            row_bytes: ef.row_bytes(dim).map_err(|source| ModelError::Kernel {
+                tensor: "token_embd.weight".into(),
+                source,
+            })?,
             data: et.data.to_vec(),
         };
         let mut layers = Vec::with_capacity(c.n_layers);
@@ -337,14 +416,22 @@ impl LlamaWeights {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: vector(file, &n("attn_norm"), dim)?,
-                qkv: stacked(file, &[(&n("attn_q"), dim), (&n("attn_k"), kv), (&n("attn_v"), kv)], dim)?,
+                qkv: stacked(
+                    file,
+                    &[(&n("attn_q"), dim), (&n("attn_k"), kv), (&n("attn_v"), kv)],
+                    dim,
+                )?,
                 wo: single(file, &n("attn_output"), dim, dim)?,
                 ffn_norm: vector(file, &n("ffn_norm"), dim)?,
                 gate_up: stacked(file, &[(&n("ffn_gate"), ffn), (&n("ffn_up"), ffn)], dim)?,
                 down: single(file, &n("ffn_down"), dim, ffn)?,
             });
         }
-        let output_name = if file.tensor_info("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
+        let output_name = if file.tensor_info("output.weight").is_some() {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
         Ok(Self {
             output_norm: vector(file, "output_norm.weight", dim)?,
             output: single(file, output_name, c.vocab, dim)?,

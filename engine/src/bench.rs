@@ -1,0 +1,197 @@
+//! Throughput measurements of a [`ModelRunner`] in the shapes llama.cpp's
+//! `llama-bench` and `llama-batched-bench` use, so `make bench-model` can print
+//! ratios against them measured in the same run. Timing only; nothing here asserts
+//! on speed.
+//!
+//! - prompt processing: one `prompt_tokens`-token prompt in a single step (pp512);
+//! - single-stream decode: `gen_tokens` steps of one token from an empty context
+//!   (tg128);
+//! - aggregate decode: `parallel` sequences each prefilled with `batch_prompt`
+//!   tokens (untimed), then `gen_tokens` steps of one token per sequence, timed as
+//!   total generated tokens / time (batched-bench's S_TG).
+
+use std::time::Instant;
+
+use crate::backend::{Batch, LogitsWanted, ModelRunner, SeqChunk};
+use crate::generate::GenerateError;
+use crate::kv::BlockAllocator;
+use crate::sampling::argmax;
+
+/// What to measure.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BenchConfig {
+    /// Prompt length for prompt processing.
+    pub prompt_tokens: usize,
+    /// Decode steps per measurement.
+    pub gen_tokens: usize,
+    /// Prompt length per sequence before the aggregate decode.
+    pub batch_prompt: usize,
+    /// Concurrent sequences for aggregate decode.
+    pub parallel: Vec<usize>,
+    /// Repetitions of the prompt and single-stream tests (their mean is reported,
+    /// as llama-bench reports its mean).
+    pub repetitions: usize,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        Self {
+            prompt_tokens: 512,
+            gen_tokens: 128,
+            batch_prompt: 128,
+            parallel: vec![16, 64],
+            repetitions: 3,
+        }
+    }
+}
+
+impl BenchConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.prompt_tokens == 0
+            || self.gen_tokens == 0
+            || self.batch_prompt == 0
+            || self.repetitions == 0
+        {
+            return Err(format!("every size must be positive: {self:?}"));
+        }
+        Ok(())
+    }
+
+    /// KV blocks the runs need at once.
+    #[must_use]
+    pub fn blocks_needed(&self, block_size: usize) -> usize {
+        let per_seq = (self.batch_prompt + self.gen_tokens).div_ceil(block_size);
+        let most = self.parallel.iter().copied().max().unwrap_or(1);
+        (most * per_seq).max((self.prompt_tokens + self.gen_tokens).div_ceil(block_size))
+    }
+}
+
+/// Measured tokens per second.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchReport {
+    /// Prompt processing.
+    pub prompt_tps: f64,
+    /// Single-stream decode.
+    pub decode_tps: f64,
+    /// `(parallel, aggregate decode tokens/s)`.
+    pub aggregate_tps: Vec<(usize, f64)>,
+}
+
+/// Token ids for synthetic prompts (fixed, spread over the vocabulary).
+fn synthetic(n: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i * 7919 + salt * 104_729 + 17) % vocab) as u32)
+        .collect()
+}
+
+/// Runs all measurements.
+///
+/// # Errors
+/// Too few KV blocks or a backend error.
+pub fn run(
+    runner: &mut dyn ModelRunner,
+    config: &BenchConfig,
+) -> Result<BenchReport, GenerateError> {
+    let geo = runner.kv_geometry();
+    let vocab = runner.config().vocab;
+    let mut alloc = BlockAllocator::new(geo.num_blocks);
+    let one = |n: usize, start: usize, table: &[u32], tokens: Vec<u32>| {
+        debug_assert_eq!(tokens.len(), n);
+        SeqChunk {
+            tokens,
+            start_pos: start,
+            block_table: table.to_vec(),
+            logits: LogitsWanted::Last,
+        }
+    };
+
+    let mut table = Vec::new();
+    alloc.ensure(
+        &mut table,
+        config.prompt_tokens.max(config.gen_tokens),
+        geo.block_size,
+    )?;
+    let (mut prompt_s, mut decode_s) = (0f64, 0f64);
+    for rep in 0..config.repetitions {
+        let prompt = synthetic(config.prompt_tokens, rep, vocab);
+        let t = Instant::now();
+        runner.forward(&Batch {
+            seqs: vec![one(config.prompt_tokens, 0, &table, prompt)],
+        })?;
+        prompt_s += t.elapsed().as_secs_f64();
+
+        let mut tok = synthetic(1, rep, vocab)[0];
+        let t = Instant::now();
+        for pos in 0..config.gen_tokens {
+            let out = runner.forward(&Batch {
+                seqs: vec![one(1, pos, &table, vec![tok])],
+            })?;
+            tok = out.last_of(0).map_or(0, |l| argmax(l) as u32);
+        }
+        decode_s += t.elapsed().as_secs_f64();
+        tracing::info!(rep, prompt_s, decode_s, "bench repetition");
+    }
+    let reps = config.repetitions as f64;
+    let prompt_tps = reps * config.prompt_tokens as f64 / prompt_s;
+    let decode_tps = reps * config.gen_tokens as f64 / decode_s;
+    alloc.release(&table)?;
+
+    let mut aggregate_tps = Vec::new();
+    for &np in &config.parallel {
+        let mut tables = Vec::with_capacity(np);
+        for _ in 0..np {
+            let mut t = Vec::new();
+            alloc.ensure(
+                &mut t,
+                config.batch_prompt + config.gen_tokens,
+                geo.block_size,
+            )?;
+            tables.push(t);
+        }
+        let mut next = vec![0u32; np];
+        // Prefill in steps of at most 512 tokens, as llama-batched-bench's ubatch.
+        let per_step = (512 / config.batch_prompt).max(1);
+        for group in (0..np).collect::<Vec<_>>().chunks(per_step) {
+            let seqs = group
+                .iter()
+                .map(|&i| {
+                    one(
+                        config.batch_prompt,
+                        0,
+                        &tables[i],
+                        synthetic(config.batch_prompt, i + 100, vocab),
+                    )
+                })
+                .collect();
+            let out = runner.forward(&Batch { seqs })?;
+            for (k, &i) in group.iter().enumerate() {
+                next[i] = out.last_of(k).map_or(0, |l| argmax(l) as u32);
+            }
+        }
+        let t = Instant::now();
+        for step in 0..config.gen_tokens {
+            let seqs = (0..np)
+                .map(|i| one(1, config.batch_prompt + step, &tables[i], vec![next[i]]))
+                .collect();
+            let out = runner.forward(&Batch { seqs })?;
+            for (i, n) in next.iter_mut().enumerate() {
+                *n = out.last_of(i).map_or(0, |l| argmax(l) as u32);
+            }
+        }
+        let tps = (np * config.gen_tokens) as f64 / t.elapsed().as_secs_f64();
+        tracing::info!(parallel = np, tps, "aggregate decode");
+        aggregate_tps.push((np, tps));
+        for t in &tables {
+            alloc.release(t)?;
+        }
+    }
+    Ok(BenchReport {
+        prompt_tps,
+        decode_tps,
+        aggregate_tps,
+    })
+}

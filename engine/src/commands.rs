@@ -1,0 +1,279 @@
+//! The compute subcommands of `slipway-engine`: `generate`, `score` and `bench`.
+//! Each loads the model onto the CPU backend and prints its result on stdout.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Args;
+use slipway_engine::backend::ModelRunner as _;
+use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
+use slipway_engine::bench::{self, BenchConfig};
+use slipway_engine::generate::{generate, perplexity, score};
+use slipway_engine::kv::BlockAllocator;
+use slipway_engine::model::gguf::GgufFile;
+use slipway_engine::model::llama::LlamaWeights;
+use slipway_engine::sampling::{Sampler, SamplingParams};
+use slipway_engine::template::{ChatMessage, ChatTemplate, RenderOptions};
+use slipway_engine::tokenizer::{EncodeOptions, Tokenizer};
+
+/// Model and backend options shared by the compute subcommands.
+#[derive(Debug, Args)]
+pub struct RunnerArgs {
+    /// Path of a GGUF model file (`make model` fetches the test model).
+    #[arg(long, env = "SLIPWAY_MODEL", value_name = "PATH")]
+    pub model: PathBuf,
+    /// Worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+struct Loaded {
+    file: GgufFile,
+    tokenizer: Tokenizer,
+    weights: Arc<LlamaWeights>,
+}
+
+fn load(args: &RunnerArgs) -> anyhow::Result<Loaded> {
+    let file = GgufFile::open(&args.model)?;
+    let tokenizer = Tokenizer::from_metadata(file.metadata())
+        .with_context(|| format!("loading the tokenizer of {}", args.model.display()))?;
+    let weights = Arc::new(
+        LlamaWeights::from_gguf(&file)
+            .with_context(|| format!("loading {}", args.model.display()))?,
+    );
+    Ok(Loaded {
+        file,
+        tokenizer,
+        weights,
+    })
+}
+
+fn backend(
+    weights: &Arc<LlamaWeights>,
+    threads: usize,
+    positions: usize,
+    sequences: usize,
+) -> anyhow::Result<CpuBackend> {
+    let block_size = CpuConfig::default().block_size;
+    let num_blocks = sequences * positions.div_ceil(block_size).max(1);
+    let config = CpuConfig {
+        threads,
+        block_size,
+        num_blocks,
+    };
+    CpuBackend::new(Arc::clone(weights), &config).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// `generate` options.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    runner: RunnerArgs,
+    /// The prompt text (special tokens such as <|im_start|> are recognised).
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as one user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Most tokens to generate (stops earlier at an end-of-generation token).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// RNG seed (same seed, same output).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print `{"prompt_tokens":[…],"tokens":[…],"text":"…"}`.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `generate`.
+///
+/// # Errors
+/// Loading, template, sampling-parameter or forward errors.
+pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    let m = load(&args.runner)?;
+    let prompt = if args.chat {
+        let template = ChatTemplate::from_metadata(m.file.metadata(), &m.tokenizer)?;
+        template.render(
+            &[ChatMessage::new("user", args.prompt.clone())],
+            RenderOptions::default(),
+        )?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt_tokens = m.tokenizer.encode_with(&prompt, EncodeOptions::default());
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    params.validate().map_err(|e| anyhow::anyhow!(e))?;
+    let mut runner = backend(
+        &m.weights,
+        args.runner.threads,
+        prompt_tokens.len() + args.max_tokens,
+        1,
+    )?;
+    let mut alloc = BlockAllocator::new(runner.kv_geometry().num_blocks);
+    let mut sampler = Sampler::new(params);
+    let tokens = generate(
+        &mut runner,
+        &mut alloc,
+        &prompt_tokens,
+        args.max_tokens,
+        &mut sampler,
+        m.tokenizer.eog_tokens(),
+    )?;
+    // The end-of-generation token ends the text; it is not part of it.
+    let shown = tokens
+        .iter()
+        .copied()
+        .filter(|t| !m.tokenizer.is_eog(*t))
+        .collect::<Vec<_>>();
+    let text = m.tokenizer.decode(&shown)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({ "prompt_tokens": prompt_tokens, "tokens": tokens, "text": text })
+        );
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}
+
+/// `score` options.
+#[derive(Debug, Args)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    runner: RunnerArgs,
+    /// Text to score (tokenized like a prompt).
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    text: Option<String>,
+    /// Token ids to score, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<u32>>,
+    /// Alternatives to list per position.
+    #[arg(long, default_value_t = 5)]
+    top_k: usize,
+    /// Print JSON (one object with `positions` and `perplexity`).
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `score`.
+///
+/// # Errors
+/// Loading or forward errors, or fewer than two tokens.
+pub fn run_score(args: &ScoreArgs) -> anyhow::Result<()> {
+    let m = load(&args.runner)?;
+    let tokens = match (&args.tokens, &args.text) {
+        (Some(t), _) => t.clone(),
+        (None, Some(text)) => m.tokenizer.encode_with(text, EncodeOptions::default()),
+        (None, None) => anyhow::bail!("give --text or --tokens"),
+    };
+    let mut runner = backend(&m.weights, args.runner.threads, tokens.len(), 1)?;
+    let mut alloc = BlockAllocator::new(runner.kv_geometry().num_blocks);
+    let scores = score(&mut runner, &mut alloc, &tokens, args.top_k)
+        .context("scoring needs at least two tokens")?;
+    let ppl = perplexity(&scores);
+    if args.json {
+        let positions: Vec<_> = scores
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                serde_json::json!({
+                    "position": i + 1,
+                    "token": s.token,
+                    "logprob": s.logprob,
+                    "argmax": s.argmax,
+                    "top": s.top.iter().map(|&(t, lp)| serde_json::json!({"token": t, "logprob": lp})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "tokens": tokens, "positions": positions, "perplexity": ppl })
+        );
+    } else {
+        for (i, s) in scores.iter().enumerate() {
+            println!(
+                "{}\t{}\t{:.4}\targmax {}",
+                i + 1,
+                s.token,
+                s.logprob,
+                s.argmax
+            );
+        }
+        println!("perplexity {ppl:.4}");
+    }
+    Ok(())
+}
+
+/// `bench` options.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    runner: RunnerArgs,
+    /// Prompt-processing prompt length.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Decode steps per measurement.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Prompt per sequence before aggregate decode.
+    #[arg(long, default_value_t = 128)]
+    batch_prompt: usize,
+    /// Concurrent sequences for aggregate decode.
+    #[arg(long, value_delimiter = ',', default_value = "16,64")]
+    parallel: Vec<usize>,
+    /// Repetitions of the prompt and single-stream tests.
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+}
+
+/// Runs `bench`, printing one JSON object with tokens/s.
+///
+/// # Errors
+/// Loading or forward errors.
+pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
+    let m = load(&args.runner)?;
+    let config = BenchConfig {
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        batch_prompt: args.batch_prompt,
+        parallel: args.parallel.clone(),
+        repetitions: args.repetitions,
+    };
+    config.validate().map_err(|e| anyhow::anyhow!(e))?;
+    let block_size = CpuConfig::default().block_size;
+    let mut runner = backend(
+        &m.weights,
+        args.runner.threads,
+        config.blocks_needed(block_size) * block_size,
+        1,
+    )?;
+    let report = bench::run(&mut runner, &config)?;
+    let agg: serde_json::Map<String, serde_json::Value> = report
+        .aggregate_tps
+        .iter()
+        .map(|(n, t)| (n.to_string(), serde_json::json!(t)))
+        .collect();
+    println!(
+        "{}",
+        serde_json::json!({ "pp_tps": report.prompt_tps, "tg_tps": report.decode_tps, "aggregate_tps": agg })
+    );
+    Ok(())
+}
