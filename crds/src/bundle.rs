@@ -153,7 +153,10 @@ release:
         other.rollout.steps[0].pause = Some("1h".to_owned());
         other.capacity.peak_demand = 99.0;
         other.drain.pre_stop_delay_seconds = 30;
-        assert_eq!(bundle_hash(&spec(BASE).release), bundle_hash(&other.release));
+        assert_eq!(
+            bundle_hash(&spec(BASE).release),
+            bundle_hash(&other.release)
+        );
     }
 
     #[test]
@@ -170,7 +173,11 @@ release:
             ("image:", "maxOutputTokens: 7, image:"),
         ];
         for (from, to) in edits {
-            assert_ne!(base, hash(&BASE.replace(from, to)), "editing {from:?} → {to:?}");
+            assert_ne!(
+                base,
+                hash(&BASE.replace(from, to)),
+                "editing {from:?} → {to:?}"
+            );
         }
         let mut with_template = spec(BASE);
         with_template.release.chat_template = Some("{{ messages }}".to_owned());

@@ -97,10 +97,9 @@ pub fn plan_capacity(input: &CapacityInput) -> Result<CapacityPlan, CapacityErro
     let healthy_needed = u32::try_from(demand.div_ceil(goodput))
         .map_err(|_| CapacityError::Overflow("peakDemand / replicaGoodput"))?;
     let surviving_share = RESOLUTION - f_loss;
-    let fault_tolerant_target = u32::try_from(
-        (u64::from(healthy_needed) * RESOLUTION).div_ceil(surviving_share),
-    )
-    .map_err(|_| CapacityError::Overflow("N_healthy / (1 - fLoss)"))?;
+    let fault_tolerant_target =
+        u32::try_from((u64::from(healthy_needed) * RESOLUTION).div_ceil(surviving_share))
+            .map_err(|_| CapacityError::Overflow("N_healthy / (1 - fLoss)"))?;
     let wanted = fault_tolerant_target.max(input.min_replicas);
     let provisioned = wanted.min(input.max_replicas);
     Ok(CapacityPlan {
@@ -183,12 +182,28 @@ mod tests {
     #[test]
     fn exact_boundaries_do_not_round_up() {
         // 0.3 * 3 / 0.3 in f64 is 3.0000000000000004: a float ceil would ask for 4.
-        assert_eq!(plan_capacity(&input(0.3 * 3.0, 0.3, 0.0)).unwrap().healthy_needed, 3);
-        assert_eq!(plan_capacity(&input(7.5, 2.5, 0.0)).unwrap().healthy_needed, 3);
+        assert_eq!(
+            plan_capacity(&input(0.3 * 3.0, 0.3, 0.0))
+                .unwrap()
+                .healthy_needed,
+            3
+        );
+        assert_eq!(
+            plan_capacity(&input(7.5, 2.5, 0.0)).unwrap().healthy_needed,
+            3
+        );
         // N_healthy = 3, fLoss = 0.25: 3 / 0.75 = 4 exactly.
-        assert_eq!(plan_capacity(&input(3.0, 1.0, 0.25)).unwrap().provisioned, 4);
+        assert_eq!(
+            plan_capacity(&input(3.0, 1.0, 0.25)).unwrap().provisioned,
+            4
+        );
         // One thousandth more demand needs one more group.
-        assert_eq!(plan_capacity(&input(7.501, 2.5, 0.0)).unwrap().healthy_needed, 4);
+        assert_eq!(
+            plan_capacity(&input(7.501, 2.5, 0.0))
+                .unwrap()
+                .healthy_needed,
+            4
+        );
     }
 
     #[test]
@@ -230,7 +245,10 @@ mod tests {
         let mut spec = input(1.0, 1.0, 0.0);
         spec.min_replicas = 5;
         spec.max_replicas = 4;
-        assert!(matches!(plan_capacity(&spec), Err(CapacityError::MinAboveMax { .. })));
+        assert!(matches!(
+            plan_capacity(&spec),
+            Err(CapacityError::MinAboveMax { .. })
+        ));
     }
 
     #[test]

@@ -98,7 +98,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn input(pre_stop: u64, ttft_ms: u64, tpot_ms: u64, max_out: u32, max_drain: u64) -> DrainInput {
+    fn input(
+        pre_stop: u64,
+        ttft_ms: u64,
+        tpot_ms: u64,
+        max_out: u32,
+        max_drain: u64,
+    ) -> DrainInput {
         DrainInput {
             pre_stop_delay: Duration::from_secs(pre_stop),
             ttft_target: Duration::from_millis(ttft_ms),

@@ -30,10 +30,7 @@ fn main() -> ExitCode {
     if check {
         let current = std::fs::read_to_string(&path).unwrap_or_default();
         if current != yaml {
-            eprintln!(
-                "crdgen: {} is stale; run `make generate`",
-                path.display()
-            );
+            eprintln!("crdgen: {} is stale; run `make generate`", path.display());
             return ExitCode::FAILURE;
         }
         return ExitCode::SUCCESS;
