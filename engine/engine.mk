@@ -24,3 +24,10 @@ fuzz-gguf: ## fuzz the GGUF reader, tokenizer and template for FUZZ_SECONDS (def
 	  cargo +nightly fuzz run --target-dir $(FUZZ_TARGET_DIR) gguf_parse \
 	    corpus/gguf_parse seeds/gguf_parse -- \
 	    -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 -timeout=10
+
+.PHONY: bench-model
+## bench-model: build llama.cpp's llama-bench/llama-batched-bench (cached under
+##              ~/.cache/slipway/llama.cpp) and print our tokens/s against theirs on
+##              the same GGUF, same run: pp512, tg128, aggregate decode @16 and @64
+bench-model:
+	@$(ENGINE_SCRIPTS)/bench-model

@@ -7,6 +7,7 @@
 //! block manager later — so allocation policy never touches the tensors.
 
 use crate::kernels::attention::KvLayout;
+use crate::kernels::quant::round_f16;
 
 /// Errors from the allocator.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -88,10 +89,20 @@ impl KvCache {
         assert!(k.len() == l.kv_heads * l.head_dim && v.len() == k.len());
         let base = layer * self.layer_floats();
         for h in 0..l.kv_heads {
-            for (src, is_v) in [(k, false), (v, true)] {
-                let at = base + l.offset(block as usize, is_v, h) + slot * l.head_dim;
-                self.data[at..at + l.head_dim]
-                    .copy_from_slice(&src[h * l.head_dim..(h + 1) * l.head_dim]);
+            // Keys are stored transposed ([dim][slot]) so scoring a block is a
+            // broadcast-multiply over slots; values row by row ([slot][dim]).
+            let at = base + l.offset(block as usize, false, h) + slot;
+            // Values are rounded to f16, as llama.cpp's default f16 KV cache stores
+            // them, so our attention sees the numbers llama.cpp's does.
+            for (d, &kv) in k[h * l.head_dim..(h + 1) * l.head_dim].iter().enumerate() {
+                self.data[at + d * l.block_size] = round_f16(kv);
+            }
+            let at = base + l.offset(block as usize, true, h) + slot * l.head_dim;
+            for (o, &vv) in self.data[at..at + l.head_dim]
+                .iter_mut()
+                .zip(&v[h * l.head_dim..(h + 1) * l.head_dim])
+            {
+                *o = round_f16(vv);
             }
         }
     }
@@ -232,7 +243,8 @@ mod tests {
             &[7.0, 8.0, 9.0, 10.0, 11.0, 12.0],
         );
         let l = kv.layer(1);
-        assert_eq!(&l[layout.offset(2, false, 1) + 9..][..3], &[4.0, 5.0, 6.0]);
+        let k1 = layout.offset(2, false, 1);
+        assert_eq!([l[k1 + 3], l[k1 + 4 + 3], l[k1 + 8 + 3]], [4.0, 5.0, 6.0]);
         assert_eq!(&l[layout.offset(2, true, 0) + 9..][..3], &[7.0, 8.0, 9.0]);
         assert!(kv.layer(0).iter().all(|&v| v == 0.0));
     }

@@ -1,11 +1,13 @@
 //! Causal grouped-query attention of one query token over a paged KV store.
 //!
 //! The query heads sharing one KV head are processed together so each cached key
-//! and value is read once per group. The inner loops are plain Rust written with
-//! 16 independent lanes so the compiler vectorizes them; on AVX-512 machines the same
+//! and value is read once per group. Keys are stored transposed per block, so a
+//! block's scores are `head_dim` broadcast multiply-adds over its slots (no
+//! horizontal sums). The inner loops are plain Rust the compiler vectorizes; on AVX-512 machines the same
 //! code is compiled again with those features enabled (see `avx512::attend`).
 
-/// Geometry of one layer of the paged KV store: `[block][k|v][kv_head][slot][dim]`.
+/// Geometry of one layer of the paged KV store: `[block][k|v][kv_head]`, then keys
+/// transposed as `[dim][slot]` and values as `[slot][dim]`.
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
     /// Tokens per block.
@@ -50,25 +52,6 @@ pub struct AttnQuery<'a> {
     pub scale: f32,
 }
 
-const LANES: usize = 16;
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut ca = a.chunks_exact(LANES);
-    let mut cb = b.chunks_exact(LANES);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for i in 0..LANES {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s += x * y;
-    }
-    s
-}
-
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
@@ -95,20 +78,27 @@ pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]
     let (bs, hd) = (layout.block_size, layout.head_dim);
     let group = q.len() / hd;
     let ctx = pos + 1;
-    scores.clear();
-    scores.resize(group * ctx, 0.0);
     let nblk = ctx.div_ceil(bs);
+    // Scores are laid out in whole blocks (`cap` per head); slots past `pos` in the
+    // last block are computed from whatever the block holds and then ignored.
+    let cap = nblk * bs;
+    scores.clear();
+    scores.resize(group * cap, 0.0);
     for (bi, &block) in table[..nblk].iter().enumerate() {
-        let n = bs.min(ctx - bi * bs);
-        let kb = &layer[layout.offset(block as usize, false, kv_head)..][..n * hd];
-        for (s, k) in kb.chunks_exact(hd).enumerate() {
-            for h in 0..group {
-                scores[h * ctx + bi * bs + s] = dot(&q[h * hd..(h + 1) * hd], k) * scale;
+        let kt = &layer[layout.offset(block as usize, false, kv_head)..][..hd * bs];
+        for h in 0..group {
+            let acc = &mut scores[h * cap + bi * bs..][..bs];
+            for (d, row) in kt.chunks_exact(bs).enumerate() {
+                // llama.cpp converts Q to f16 to multiply it with its f16 keys.
+                let qd = super::quant::round_f16(q[h * hd + d]) * scale;
+                for (a, k) in acc.iter_mut().zip(row) {
+                    *a += qd * k;
+                }
             }
         }
     }
     for h in 0..group {
-        super::ops::softmax_in_place(&mut scores[h * ctx..(h + 1) * ctx]);
+        super::ops::softmax_in_place(&mut scores[h * cap..h * cap + ctx]);
     }
     out.fill(0.0);
     for (bi, &block) in table[..nblk].iter().enumerate() {
@@ -118,7 +108,7 @@ pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]
             for h in 0..group {
                 axpy(
                     &mut out[h * hd..(h + 1) * hd],
-                    scores[h * ctx + bi * bs + s],
+                    scores[h * cap + bi * bs + s],
                     v,
                 );
             }
