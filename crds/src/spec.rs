@@ -161,7 +161,7 @@ pub struct ModelSource {
     /// that does not match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self.matches('^[a-f0-9]{64}$')").message("sha256 must be 64 lowercase hex characters"))]
+    #[x_kube(validation = sha256_rule())]
     pub sha256: Option<String>,
 }
 
@@ -185,7 +185,7 @@ pub struct ArtifactSource {
     /// SHA-256 of the file, 64 lowercase hex characters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self.matches('^[a-f0-9]{64}$')").message("sha256 must be 64 lowercase hex characters"))]
+    #[x_kube(validation = sha256_rule())]
     pub sha256: Option<String>,
 }
 
@@ -205,7 +205,7 @@ pub struct Adapter {
     /// SHA-256 of the adapter file, 64 lowercase hex characters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self.matches('^[a-f0-9]{64}$')").message("sha256 must be 64 lowercase hex characters"))]
+    #[x_kube(validation = sha256_rule())]
     pub sha256: Option<String>,
 }
 
@@ -488,6 +488,12 @@ pub struct LatencyTarget {
 
 fn default_percentile() -> f64 {
     99.0
+}
+
+/// The CEL rule shared by every sha256 field.
+fn sha256_rule() -> kube::core::Rule {
+    kube::core::Rule::new("self.matches('^[a-f0-9]{64}$')")
+        .message("sha256 must be 64 lowercase hex characters")
 }
 
 /// The CEL rule shared by every duration field: it must parse and be positive.

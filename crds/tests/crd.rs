@@ -53,7 +53,10 @@ fn crd_carries_the_validation_rules_people_read() {
     ] {
         assert!(text.contains(message), "CRD lacks the rule {message:?}");
     }
-    assert!(text.contains("oldSelf"), "CRD lacks the kvNamespace transition rule");
+    assert!(
+        text.contains("oldSelf"),
+        "CRD lacks the kvNamespace transition rule"
+    );
 }
 
 fn samples() -> Vec<(PathBuf, Value)> {
@@ -68,7 +71,11 @@ fn samples() -> Vec<(PathBuf, Value)> {
             samples.push((path, value));
         }
     }
-    assert!(samples.len() >= 3, "expected the three samples, found {}", samples.len());
+    assert!(
+        samples.len() >= 3,
+        "expected the three samples, found {}",
+        samples.len()
+    );
     samples
 }
 
@@ -80,7 +87,10 @@ fn structural_errors(object: &Value) -> Vec<String> {
     let crd = checked_in_crd();
     let schema = openapi_schema(&crd);
     let validator = jsonschema::draft4::new(schema).expect("the CRD schema compiles");
-    validator.iter_errors(object).map(|e| format!("{}: {e}", e.instance_path())).collect()
+    validator
+        .iter_errors(object)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect()
 }
 
 fn cel_errors(object: &Value, old: Option<&Value>) -> Vec<String> {
@@ -143,29 +153,154 @@ fn the_minimal_object_is_valid() {
 #[test]
 fn invalid_objects_are_rejected_with_their_message() {
     let cases: Vec<(&str, Value, &str)> = vec![
-        ("fLoss = 1", with(&["spec", "capacity", "faultDomain", "fLoss"], json!(1.0)), "fLoss must be at least 0 and less than 1"),
-        ("fLoss < 0", with(&["spec", "capacity", "faultDomain", "fLoss"], json!(-0.1)), "fLoss must be at least 0 and less than 1"),
-        ("min > max", with(&["spec", "capacity", "minReplicas"], json!(200)), "minReplicas must not exceed maxReplicas"),
-        ("demand 0", with(&["spec", "capacity", "peakDemand"], json!(0)), "peakDemand must be positive"),
-        ("goodput < 0", with(&["spec", "capacity", "replicaGoodput"], json!(-1.5)), "replicaGoodput must be positive"),
-        ("weights decrease", with(&["spec", "rollout", "steps"], json!([{"weight": 50}, {"weight": 10}])), "canary step weights must be strictly increasing"),
-        ("weights repeat", with(&["spec", "rollout", "steps"], json!([{"weight": 50}, {"weight": 50}])), "canary step weights must be strictly increasing"),
-        ("weight 0", with(&["spec", "rollout", "steps"], json!([{"weight": 0}, {"weight": 100}])), "canary step weights must be within (0, 100]"),
-        ("weight 101", with(&["spec", "rollout", "steps"], json!([{"weight": 101}])), "canary step weights must be within (0, 100]"),
-        ("objective 1", with(&["spec", "slo", "availability"], json!(1.0)), "slo.availability must be between 0 and 1"),
-        ("objective 0", with(&["spec", "slo", "availability"], json!(0)), "slo.availability must be between 0 and 1"),
-        ("zero ttft", with(&["spec", "slo", "ttft"], json!({"threshold": "0s"})), "latency threshold must be a positive duration"),
-        ("zero window", with(&["spec", "slo", "window"], json!("0h")), "slo.window must be a positive duration"),
-        ("zero pause", with(&["spec", "rollout", "steps"], json!([{"weight": 100, "pause": "0s"}])), "pause must be a positive duration"),
-        ("short sha", with(&["spec", "release", "model", "sha256"], json!("abc123")), "sha256 must be 64 lowercase hex characters"),
-        ("upper sha", with(&["spec", "release", "model", "sha256"], json!("B179C9523D0E6A0F98A330C7562B682750A6F8C8C15E5BC70EA373728110DB53")), "sha256 must be 64 lowercase hex characters"),
-        ("kvNamespace not a DNS label", with(&["spec", "release", "kvNamespace"], json!("Bad_NS")), "kvNamespace must be a DNS label"),
-        ("group too large", with(&["spec", "parallelism"], json!({"tensor": 64, "pipeline": 16})), "a group may span at most 512 GPUs"),
-        ("group not whole nodes", with(&["spec", "parallelism"], json!({"tensor": 4, "pipeline": 3, "gpusPerNode": 8})), "a group larger than one node must fill whole nodes"),
-        ("short ≥ long window", with(&["spec", "rollout", "analysis"], json!({"shortWindow": "1h", "longWindow": "5m"})), "shortWindow must be shorter than longWindow"),
-        ("RollbackAfter without timeout", with(&["spec", "rollout", "analysis"], json!({"inconclusivePolicy": "RollbackAfter"})), "inconclusivePolicy RollbackAfter needs inconclusiveTimeout"),
-        ("Prometheus without url", with(&["spec", "rollout", "analysis", "metrics"], json!({"source": "Prometheus"})), "metrics.source Prometheus needs metrics.prometheus.url"),
-        ("duplicate adapters", with(&["spec", "release", "adapters"], json!([{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}])), "adapter names must be unique"),
+        (
+            "fLoss = 1",
+            with(&["spec", "capacity", "faultDomain", "fLoss"], json!(1.0)),
+            "fLoss must be at least 0 and less than 1",
+        ),
+        (
+            "fLoss < 0",
+            with(&["spec", "capacity", "faultDomain", "fLoss"], json!(-0.1)),
+            "fLoss must be at least 0 and less than 1",
+        ),
+        (
+            "min > max",
+            with(&["spec", "capacity", "minReplicas"], json!(200)),
+            "minReplicas must not exceed maxReplicas",
+        ),
+        (
+            "demand 0",
+            with(&["spec", "capacity", "peakDemand"], json!(0)),
+            "peakDemand must be positive",
+        ),
+        (
+            "goodput < 0",
+            with(&["spec", "capacity", "replicaGoodput"], json!(-1.5)),
+            "replicaGoodput must be positive",
+        ),
+        (
+            "weights decrease",
+            with(
+                &["spec", "rollout", "steps"],
+                json!([{"weight": 50}, {"weight": 10}]),
+            ),
+            "canary step weights must be strictly increasing",
+        ),
+        (
+            "weights repeat",
+            with(
+                &["spec", "rollout", "steps"],
+                json!([{"weight": 50}, {"weight": 50}]),
+            ),
+            "canary step weights must be strictly increasing",
+        ),
+        (
+            "weight 0",
+            with(
+                &["spec", "rollout", "steps"],
+                json!([{"weight": 0}, {"weight": 100}]),
+            ),
+            "canary step weights must be within (0, 100]",
+        ),
+        (
+            "weight 101",
+            with(&["spec", "rollout", "steps"], json!([{"weight": 101}])),
+            "canary step weights must be within (0, 100]",
+        ),
+        (
+            "objective 1",
+            with(&["spec", "slo", "availability"], json!(1.0)),
+            "slo.availability must be between 0 and 1",
+        ),
+        (
+            "objective 0",
+            with(&["spec", "slo", "availability"], json!(0)),
+            "slo.availability must be between 0 and 1",
+        ),
+        (
+            "zero ttft",
+            with(&["spec", "slo", "ttft"], json!({"threshold": "0s"})),
+            "latency threshold must be a positive duration",
+        ),
+        (
+            "zero window",
+            with(&["spec", "slo", "window"], json!("0h")),
+            "slo.window must be a positive duration",
+        ),
+        (
+            "zero pause",
+            with(
+                &["spec", "rollout", "steps"],
+                json!([{"weight": 100, "pause": "0s"}]),
+            ),
+            "pause must be a positive duration",
+        ),
+        (
+            "short sha",
+            with(&["spec", "release", "model", "sha256"], json!("abc123")),
+            "sha256 must be 64 lowercase hex characters",
+        ),
+        (
+            "upper sha",
+            with(
+                &["spec", "release", "model", "sha256"],
+                json!("B179C9523D0E6A0F98A330C7562B682750A6F8C8C15E5BC70EA373728110DB53"),
+            ),
+            "sha256 must be 64 lowercase hex characters",
+        ),
+        (
+            "kvNamespace not a DNS label",
+            with(&["spec", "release", "kvNamespace"], json!("Bad_NS")),
+            "kvNamespace must be a DNS label",
+        ),
+        (
+            "group too large",
+            with(
+                &["spec", "parallelism"],
+                json!({"tensor": 64, "pipeline": 16}),
+            ),
+            "a group may span at most 512 GPUs",
+        ),
+        (
+            "group not whole nodes",
+            with(
+                &["spec", "parallelism"],
+                json!({"tensor": 4, "pipeline": 3, "gpusPerNode": 8}),
+            ),
+            "a group larger than one node must fill whole nodes",
+        ),
+        (
+            "short ≥ long window",
+            with(
+                &["spec", "rollout", "analysis"],
+                json!({"shortWindow": "1h", "longWindow": "5m"}),
+            ),
+            "shortWindow must be shorter than longWindow",
+        ),
+        (
+            "RollbackAfter without timeout",
+            with(
+                &["spec", "rollout", "analysis"],
+                json!({"inconclusivePolicy": "RollbackAfter"}),
+            ),
+            "inconclusivePolicy RollbackAfter needs inconclusiveTimeout",
+        ),
+        (
+            "Prometheus without url",
+            with(
+                &["spec", "rollout", "analysis", "metrics"],
+                json!({"source": "Prometheus"}),
+            ),
+            "metrics.source Prometheus needs metrics.prometheus.url",
+        ),
+        (
+            "duplicate adapters",
+            with(
+                &["spec", "release", "adapters"],
+                json!([{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]),
+            ),
+            "adapter names must be unique",
+        ),
     ];
     assert!(cases.len() >= 15);
     for (name, object, expected) in cases {
@@ -180,12 +315,33 @@ fn invalid_objects_are_rejected_with_their_message() {
 #[test]
 fn openapi_bounds_reject_what_cel_does_not_cover() {
     let cases: Vec<(&str, Value)> = vec![
-        ("tensor 0", with(&["spec", "parallelism"], json!({"tensor": 0}))),
-        ("pipeline 0", with(&["spec", "parallelism"], json!({"pipeline": 0}))),
-        ("unknown device", with(&["spec", "release", "engine", "device"], json!("TPU"))),
-        ("duration without unit", with(&["spec", "slo", "window"], json!("30"))),
-        ("missing model", with(&["spec", "release"], json!({"engine": {"image": "e"}}))),
-        ("too many steps", with(&["spec", "rollout", "steps"], json!((1..=21).map(|w| json!({"weight": w})).collect::<Vec<_>>()))),
+        (
+            "tensor 0",
+            with(&["spec", "parallelism"], json!({"tensor": 0})),
+        ),
+        (
+            "pipeline 0",
+            with(&["spec", "parallelism"], json!({"pipeline": 0})),
+        ),
+        (
+            "unknown device",
+            with(&["spec", "release", "engine", "device"], json!("TPU")),
+        ),
+        (
+            "duration without unit",
+            with(&["spec", "slo", "window"], json!("30")),
+        ),
+        (
+            "missing model",
+            with(&["spec", "release"], json!({"engine": {"image": "e"}})),
+        ),
+        (
+            "too many steps",
+            with(
+                &["spec", "rollout", "steps"],
+                json!((1..=21).map(|w| json!({"weight": w})).collect::<Vec<_>>()),
+            ),
+        ),
     ];
     for (name, object) in cases {
         assert!(!structural_errors(&object).is_empty(), "{name}: accepted");
@@ -195,28 +351,45 @@ fn openapi_bounds_reject_what_cel_does_not_cover() {
 #[test]
 fn changing_the_model_needs_a_new_kv_namespace() {
     let old = valid();
-    let new_model = with(&["spec", "release", "model", "uri"], json!("/models/m2.gguf"));
+    let new_model = with(
+        &["spec", "release", "model", "uri"],
+        json!("/models/m2.gguf"),
+    );
     let errors = cel_errors(&new_model, Some(&old));
     assert!(
-        errors.iter().any(|e| e.contains("must not share KV/prefix-cache entries")),
+        errors
+            .iter()
+            .any(|e| e.contains("must not share KV/prefix-cache entries")),
         "got {errors:?}"
     );
 
     let mut new_model_new_ns = new_model.clone();
     new_model_new_ns["spec"]["release"]["kvNamespace"] = json!("m-v2");
-    assert_eq!(cel_errors(&new_model_new_ns, Some(&old)), Vec::<String>::new());
+    assert_eq!(
+        cel_errors(&new_model_new_ns, Some(&old)),
+        Vec::<String>::new()
+    );
 
     let mut new_model_no_ns = new_model.clone();
     new_model_no_ns["spec"]["release"]
         .as_object_mut()
         .unwrap()
         .remove("kvNamespace");
-    assert_eq!(cel_errors(&new_model_no_ns, Some(&old)), Vec::<String>::new());
+    assert_eq!(
+        cel_errors(&new_model_no_ns, Some(&old)),
+        Vec::<String>::new()
+    );
 
     // Changing something that is not the model (the engine image) keeps the namespace.
-    let new_image = with(&["spec", "release", "engine", "image"], json!("slipway/engine:0.2.0"));
+    let new_image = with(
+        &["spec", "release", "engine", "image"],
+        json!("slipway/engine:0.2.0"),
+    );
     assert_eq!(cel_errors(&new_image, Some(&old)), Vec::<String>::new());
 
-    let new_adapter = with(&["spec", "release", "adapters"], json!([{"name": "a", "uri": "/a"}]));
+    let new_adapter = with(
+        &["spec", "release", "adapters"],
+        json!([{"name": "a", "uri": "/a"}]),
+    );
     assert!(!cel_errors(&new_adapter, Some(&old)).is_empty());
 }
