@@ -319,7 +319,10 @@ async fn measure(
     let arrivals = schedule(&c.process(rate), window, usize::MAX, c.seed)?;
     let plans = generate(spec, &arrivals, c.seed)?;
     let bar = c.progress(plans.len() as u64, &format!("{rate} req/s"));
-    let limits = RunLimits { window_s: window, ..c.limits() };
+    let limits = RunLimits {
+        window_s: window,
+        ..c.limits()
+    };
     let out = runner::open_loop(client, plans, limits, bar.as_ref()).await;
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -423,7 +426,7 @@ async fn cmd_sweep(a: SweepArgs) -> anyhow::Result<()> {
         a.rates.clone()
     };
     if ladder.is_empty()
-        || ladder.iter().any(|r| !(*r > 0.0))
+        || ladder.iter().any(|r| !r.is_finite() || *r <= 0.0)
         || ladder.windows(2).any(|w| w[0] >= w[1])
     {
         bail!("the sweep needs positive, strictly ascending rates");

@@ -298,7 +298,8 @@ mod tests {
             points: points
                 .iter()
                 .map(|&(rate, pass, goodput, ttft_p99)| {
-                    let mut s = summarize(&[], &[], 1.0, Some(rate), Slo::default(), DEFAULT_BUCKETS);
+                    let mut s =
+                        summarize(&[], &[], 1.0, Some(rate), Slo::default(), DEFAULT_BUCKETS);
                     s.slo_pass = pass;
                     s.goodput_rps = goodput;
                     s.goodput_output_tokens_per_s = goodput * 80.0;
@@ -315,11 +316,21 @@ mod tests {
 
     #[test]
     fn capacity_note_is_yaml_with_the_frontier_goodput() {
-        let r = sweep("srv", &[(0.2, true, 0.19, Some(900.0)), (0.4, true, 0.38, Some(1500.0)), (0.8, false, 0.3, None)]);
+        let r = sweep(
+            "srv",
+            &[
+                (0.2, true, 0.19, Some(900.0)),
+                (0.4, true, 0.38, Some(1500.0)),
+                (0.8, false, 0.3, None),
+            ],
+        );
         let note = capacity_note(&r);
         let v: serde_yaml::Value = serde_yaml::from_str(&note).unwrap();
         assert_eq!(v["capacity"]["replicaGoodput"].as_f64(), Some(0.38));
-        assert_eq!(v["capacity"]["demandUnit"].as_str(), Some("RequestsPerSecond"));
+        assert_eq!(
+            v["capacity"]["demandUnit"].as_str(),
+            Some("RequestsPerSecond")
+        );
         assert!(note.contains("# SLO: TTFT P99 ≤ 2000 ms"), "{note}");
         let none = capacity_note(&sweep("srv", &[(0.2, false, 0.0, None)]));
         assert!(none.starts_with("# no capacity.replicaGoodput"), "{none}");
@@ -327,8 +338,18 @@ mod tests {
 
     #[test]
     fn compare_reports_ratios_at_equal_load_and_infinite_percentiles() {
-        let ours = sweep("ours", &[(0.2, true, 0.2, Some(500.0)), (0.4, true, 0.4, Some(800.0)), (0.8, true, 0.79, Some(1900.0))]);
-        let peer = sweep("peer", &[(0.2, true, 0.2, Some(1000.0)), (0.4, false, 0.1, None)]);
+        let ours = sweep(
+            "ours",
+            &[
+                (0.2, true, 0.2, Some(500.0)),
+                (0.4, true, 0.4, Some(800.0)),
+                (0.8, true, 0.79, Some(1900.0)),
+            ],
+        );
+        let peer = sweep(
+            "peer",
+            &[(0.2, true, 0.2, Some(1000.0)), (0.4, false, 0.1, None)],
+        );
         let t = compare_table(&ours, &peer);
         assert!(t.contains("goodput frontier"), "{t}");
         // Frontier 0.79 vs 0.2 → 3.95×; equal load is 0.2 (the peer's last pass).

@@ -397,8 +397,11 @@ pub fn summarize(
         lo = hi.unwrap_or(u32::MAX);
     }
     let slo_met = records.iter().filter(|r| slo.met_by(r)).count() as u64;
-    let slo_met_tokens: u64 =
-        records.iter().filter(|r| slo.met_by(r)).map(|r| u64::from(r.n_out())).sum();
+    let slo_met_tokens: u64 = records
+        .iter()
+        .filter(|r| slo.met_by(r))
+        .map(|r| u64::from(r.n_out()))
+        .sum();
     let success_rate = if c.offered > 0 {
         c.completed as f64 / c.offered as f64
     } else {

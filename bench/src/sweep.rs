@@ -133,7 +133,7 @@ impl SweepResult {
                     rate: r,
                     goodput_rps: p.summary.goodput_rps,
                     output_tokens_per_s: p.summary.output_tokens_per_s,
-                goodput_output_tokens_per_s: p.summary.goodput_output_tokens_per_s,
+                    goodput_output_tokens_per_s: p.summary.goodput_output_tokens_per_s,
                 })
         });
     }
