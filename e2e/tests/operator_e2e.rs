@@ -1,0 +1,870 @@
+//! The operator on the real control plane (see `e2e/README.md`), running as its own
+//! process under the token identity of `manifests/rbac/` — so a permission the
+//! operator needs but the role lacks fails the test (its 403s are read from the
+//! audit log).
+//!
+//! Own harness (libtest-mimic), like `tests/e2e/main.rs`: the cluster comes up once;
+//! each test gets a namespace, a copy of the operator's ServiceAccount bound to its
+//! roles, and operator processes restricted to that namespace (`--namespace`), with
+//! their Lease there too, so tests run side by side. Operator processes are killed
+//! when their guard drops. Every wait is bounded; nothing sleeps to synchronise.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use futures::{StreamExt, TryStreamExt as _};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, WatchParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::{Api, Client, ResourceExt};
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::{Value, json};
+use slipway_e2e::rbac::OperatorIdentity;
+use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
+
+type TestFuture = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
+type TestFn = fn(Arc<Env>) -> TestFuture;
+
+/// Bound for a group of KWOK pods to become Ready after an apply.
+const CONVERGE: Duration = Duration::from_secs(90);
+/// The operators' lease timings in these tests (short, so failover is quick).
+const LEASE_SECONDS: u64 = 6;
+const RETRY_SECONDS: u64 = 1;
+
+struct Env {
+    name: &'static str,
+    cluster: Arc<Cluster>,
+    operator_bin: PathBuf,
+}
+
+macro_rules! tests {
+    ($($test:ident),* $(,)?) => {
+        vec![$((
+            concat!("operator::", stringify!($test)),
+            (|env| Box::pin($test(env))) as TestFn,
+        )),*]
+    };
+}
+
+fn all_tests() -> Vec<(&'static str, TestFn)> {
+    tests![
+        cpu_sample_becomes_ready_spread_over_zones_and_scales,
+        multi_pod_groups_are_co_located_and_recreated_whole,
+        reapplying_the_same_manifest_changes_nothing,
+        only_the_leader_acts_and_a_standby_takes_over,
+        a_killed_operator_converges_without_duplicates,
+        deleting_the_service_collects_every_child,
+    ]
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let arguments = Arguments::from_args();
+    let tests = all_tests();
+    let selected = tests
+        .iter()
+        .any(|(name, _)| !arguments.is_filtered_out(&Trial::test(*name, || Ok(()))));
+    if arguments.list || !selected {
+        let trials = tests
+            .into_iter()
+            .map(|(name, _)| Trial::test(name, || Ok(())))
+            .collect();
+        return libtest_mimic::run(&arguments, trials).exit_code();
+    }
+    let operator_bin = match build_operator() {
+        Ok(path) => path,
+        Err(error) => {
+            eprintln!(
+                "error: could not build slipway-operator, so every operator e2e test fails: {error:#}"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let guard = match ClusterGuard::up() {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!(
+                "error: the e2e control plane is not available, so every e2e test fails: {error}"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let cluster = Arc::new(guard.cluster().clone());
+    if let Err(error) = crd::ensure_installed(&cluster) {
+        eprintln!("error: could not install the CRD: {error}");
+        return ExitCode::FAILURE;
+    }
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| {
+            let env = Arc::new(Env {
+                name,
+                cluster: Arc::clone(&cluster),
+                operator_bin: operator_bin.clone(),
+            });
+            Trial::test(name, move || {
+                let runtime = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(|error| Failed::from(format!("tokio runtime: {error}")))?;
+                runtime
+                    .block_on(test(env))
+                    .map_err(|error| Failed::from(format!("{error:#}")))
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&arguments, trials);
+    drop(guard);
+    conclusion.exit_code()
+}
+
+/// Builds the operator binary as `cargo build` would for a user, and returns its path.
+fn build_operator() -> anyhow::Result<PathBuf> {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    if let Some(path) = BUILT.get() {
+        return Ok(path.clone());
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let output = Command::new(cargo)
+        .current_dir(manifests::repo_root())
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "slipway-operator",
+            "--bin",
+            "slipway-operator",
+            "--message-format=json",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo build")?;
+    ensure!(
+        output.status.success(),
+        "cargo build -p slipway-operator failed"
+    );
+    let path = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|message| message["target"]["name"] == "slipway-operator")
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .context("cargo reported no slipway-operator executable")?;
+    Ok(BUILT.get_or_init(|| path).clone())
+}
+
+/// An operator process; killed (SIGKILL) and reaped when dropped.
+struct Operator {
+    child: Option<Child>,
+    identity: String,
+    log: PathBuf,
+}
+
+impl Operator {
+    fn start(
+        env: &Env,
+        identity: &OperatorIdentity,
+        namespace: &str,
+        name: &str,
+    ) -> anyhow::Result<Self> {
+        let log = env
+            .cluster
+            .workdir()
+            .join("operator-logs")
+            .join(format!("{namespace}-{name}.log"));
+        if let Some(dir) = log.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let file = std::fs::File::create(&log)?;
+        let child = Command::new(&env.operator_bin)
+            .env("KUBECONFIG", identity.kubeconfig())
+            .env("RUST_LOG", "info,slipway_operator=debug")
+            .args([
+                "--namespace",
+                namespace,
+                "--lease-namespace",
+                namespace,
+                "--identity",
+                name,
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--lease-duration-seconds",
+                &LEASE_SECONDS.to_string(),
+                "--lease-retry-seconds",
+                &RETRY_SECONDS.to_string(),
+            ])
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()
+            .context("starting slipway-operator")?;
+        Ok(Self {
+            child: Some(child),
+            identity: name.to_owned(),
+            log,
+        })
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Only our own child, by its handle.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A test's namespace, identity and admin client.
+struct Setup {
+    admin: Client,
+    namespace: TestNamespace,
+    identity: OperatorIdentity,
+}
+
+async fn setup(env: &Env) -> anyhow::Result<Setup> {
+    let admin = env.cluster.client().await.context("admin client")?;
+    let namespace = TestNamespace::create(&env.cluster, &admin, env.name).await?;
+    let identity = OperatorIdentity::bind(&env.cluster, &admin, &namespace)
+        .await
+        .context("binding the operator's ServiceAccount")?;
+    Ok(Setup {
+        admin,
+        namespace,
+        identity,
+    })
+}
+
+impl Setup {
+    fn ns(&self) -> &str {
+        self.namespace.name()
+    }
+
+    fn isvcs(&self) -> Api<DynamicObject> {
+        let resource = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk(crd::GROUP, crd::VERSION, crd::KIND),
+            "inferenceservices",
+        );
+        Api::namespaced_with(self.admin.clone(), self.ns(), &resource)
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.admin.clone(), self.ns())
+    }
+
+    /// Applies an InferenceService as a GitOps tool would (its own field manager).
+    async fn apply(&self, isvc: &Value) -> anyhow::Result<()> {
+        let name = isvc["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        self.isvcs()
+            .patch(
+                &name,
+                &PatchParams::apply("gitops").force(),
+                &Patch::Apply(isvc),
+            )
+            .await
+            .with_context(|| format!("applying InferenceService {name}"))?;
+        Ok(())
+    }
+
+    /// Waits until the InferenceService reports Ready=True for its current generation
+    /// with `groups` ready groups, and returns it.
+    async fn wait_ready(&self, name: &str, groups: i64) -> anyhow::Result<DynamicObject> {
+        Ok(wait::for_object(
+            &self.isvcs(),
+            name,
+            &format!("{name} Ready with {groups} groups"),
+            CONVERGE,
+            move |o: Option<&DynamicObject>| {
+                o.is_some_and(|o| {
+                    let status = &o.data["status"];
+                    status["observedGeneration"].as_i64() == o.metadata.generation
+                        && status["replicas"]["desired"] == groups
+                        && status["replicas"]["ready"] == groups
+                        && condition(status, "Ready") == Some("True")
+                })
+            },
+        )
+        .await?)
+    }
+
+    /// Waits until exactly `names` pods exist (none terminating) and all are Ready.
+    async fn wait_pods(&self, names: &BTreeSet<String>) -> anyhow::Result<Vec<Pod>> {
+        let pods = self.pods();
+        let want = names.clone();
+        let last = Arc::new(std::sync::Mutex::new(String::new()));
+        let seen = Arc::clone(&last);
+        let found = wait::poll(
+            &format!("pods {names:?} ready"),
+            CONVERGE,
+            || {
+                let pods = pods.clone();
+                let want = want.clone();
+                let seen = Arc::clone(&seen);
+                async move {
+                    let list = pods.list(&ListParams::default()).await?;
+                    let have: BTreeSet<String> = list.items.iter().map(|p| p.name_any()).collect();
+                    let ready = list
+                        .items
+                        .iter()
+                        .all(|p| p.metadata.deletion_timestamp.is_none() && pod_ready(p));
+                    if let Ok(mut text) = seen.lock() {
+                        *text = format!("{have:?}, all ready: {ready}");
+                    }
+                    Ok((have == want && ready).then_some(list.items))
+                }
+            },
+            || last.lock().map(|t| t.clone()).unwrap_or_default(),
+        )
+        .await?;
+        Ok(found)
+    }
+
+    /// No request of the operator's identity was refused.
+    fn ensure_no_forbidden(&self) -> anyhow::Result<()> {
+        let denied = self.identity.forbidden_requests()?;
+        ensure!(
+            denied.is_empty(),
+            "the operator was refused by RBAC: {denied:?}"
+        );
+        Ok(())
+    }
+}
+
+fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a str> {
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)?["status"]
+        .as_str()
+}
+
+fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The CPU sample, in `namespace`.
+fn cpu_sample(namespace: &str) -> anyhow::Result<Value> {
+    let path = manifests::samples_dir().join("smollm2-cpu.yaml");
+    let mut sample = manifests::load_documents(&path)?
+        .into_iter()
+        .next()
+        .context("empty sample")?;
+    sample["metadata"]["namespace"] = json!(namespace);
+    Ok(sample)
+}
+
+fn pod_names(prefix: &str, groups: u32, ranks: u32) -> BTreeSet<String> {
+    (0..groups)
+        .flat_map(|g| (0..ranks).map(move |r| format!("{prefix}-g{g}-r{r}")))
+        .collect()
+}
+
+async fn node_labels(admin: &Client) -> anyhow::Result<BTreeMap<String, BTreeMap<String, String>>> {
+    Ok(Api::<Node>::all(admin.clone())
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|n| (n.name_any(), n.metadata.labels.unwrap_or_default()))
+        .collect())
+}
+
+const ZONE: &str = "topology.kubernetes.io/zone";
+const RACK: &str = "slipway.dev/nvlink-domain";
+
+// -------------------------------------------------------------------------------------
+
+async fn cpu_sample_becomes_ready_spread_over_zones_and_scales(
+    env: Arc<Env>,
+) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    let mut sample = cpu_sample(setup.ns())?;
+    setup.apply(&sample).await?;
+
+    // 1.5 / 0.5 = 3 needed; ceil(3 / 0.66) = 5 provisioned.
+    let isvc = setup.wait_ready("smollm2", 5).await?;
+    ensure!(
+        condition(&isvc.data["status"], "FaultTolerant") == Some("True"),
+        "not fault tolerant: {:#}",
+        isvc.data["status"]
+    );
+    let pods = setup.wait_pods(&pod_names("smollm2", 5, 1)).await?;
+    let nodes = node_labels(&setup.admin).await?;
+    let mut per_zone: BTreeMap<String, u32> = BTreeMap::new();
+    for pod in &pods {
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        let zone = nodes
+            .get(&node)
+            .and_then(|l| l.get(ZONE))
+            .cloned()
+            .unwrap_or_default();
+        *per_zone.entry(zone).or_default() += 1;
+    }
+    ensure!(
+        per_zone.len() == 3,
+        "groups are not in all 3 zones: {per_zone:?}"
+    );
+    let (min, max) = (per_zone.values().min(), per_zone.values().max());
+    ensure!(
+        max.zip(min).is_some_and(|(max, min)| max - min <= 1),
+        "skew > 1: {per_zone:?}"
+    );
+
+    // More demand adds groups; less removes the highest indices.
+    sample["spec"]["capacity"]["peakDemand"] = json!(3);
+    setup.apply(&sample).await?;
+    setup.wait_ready("smollm2", 10).await?;
+    setup.wait_pods(&pod_names("smollm2", 10, 1)).await?;
+    sample["spec"]["capacity"]["peakDemand"] = json!(0.5);
+    setup.apply(&sample).await?;
+    setup.wait_ready("smollm2", 2).await?;
+    setup.wait_pods(&pod_names("smollm2", 2, 1)).await?;
+    setup.ensure_no_forbidden()
+}
+
+fn gpu_service(namespace: &str, name: &str, tensor: u32, pipeline: u32) -> anyhow::Result<Value> {
+    let mut isvc = cpu_sample(namespace)?;
+    isvc["metadata"]["name"] = json!(name);
+    isvc["spec"]["release"]["engine"]["device"] = json!("CUDA");
+    isvc["spec"]["release"]["engine"]["resources"] = json!({"requests": {"cpu": "1"}});
+    isvc["spec"]["parallelism"] = json!({"tensor": tensor, "pipeline": pipeline, "gpusPerNode": 8});
+    isvc["spec"]["capacity"] = json!({"peakDemand": 1, "replicaGoodput": 1, "faultDomain": {"fLoss": 0}, "minReplicas": 1});
+    Ok(isvc)
+}
+
+fn env_of(pod: &Pod) -> BTreeMap<String, String> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.first()?.env.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|e| Some((e.name, e.value?)))
+        .collect()
+}
+
+async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    setup.apply(&gpu_service(setup.ns(), "big", 8, 2)?).await?;
+    setup.apply(&gpu_service(setup.ns(), "mid", 4, 2)?).await?;
+    setup.wait_ready("big", 1).await?;
+    setup.wait_ready("mid", 1).await?;
+    let mut want = pod_names("big", 1, 2);
+    want.insert("mid-g0-r0".to_owned());
+    let pods = setup.wait_pods(&want).await?;
+    let nodes = node_labels(&setup.admin).await?;
+    let find = |name: &str| {
+        pods.iter()
+            .find(|p| p.name_any() == name)
+            .context(format!("{name} missing"))
+    };
+    let gpus = |pod: &Pod| {
+        pod.spec.as_ref().and_then(|s| {
+            s.containers
+                .first()?
+                .resources
+                .as_ref()?
+                .limits
+                .as_ref()?
+                .get("nvidia.com/gpu")
+                .map(|q| q.0.clone())
+        })
+    };
+    let rack = |pod: &Pod| {
+        pod.spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .and_then(|n| nodes.get(&n)?.get(RACK).cloned())
+    };
+    let (leader, worker, mid) = (find("big-g0-r0")?, find("big-g0-r1")?, find("mid-g0-r0")?);
+    ensure!(
+        gpus(leader).as_deref() == Some("8") && gpus(worker).as_deref() == Some("8"),
+        "big pods do not request 8 GPUs each"
+    );
+    ensure!(
+        gpus(mid).as_deref() == Some("8"),
+        "tensor 4 × pipeline 2 is not one 8-GPU pod"
+    );
+    ensure!(
+        rack(leader).is_some() && rack(leader) == rack(worker),
+        "group spans racks: {:?} vs {:?}",
+        rack(leader),
+        rack(worker)
+    );
+    let leader_addr = format!("big-g0-r0.big-g0.{}.svc:8000", setup.ns());
+    for (pod, rank) in [(leader, "0"), (worker, "1")] {
+        let env = env_of(pod);
+        ensure!(
+            env.get("SLIPWAY_RANK").map(String::as_str) == Some(rank),
+            "{}: rank {:?}",
+            pod.name_any(),
+            env.get("SLIPWAY_RANK")
+        );
+        ensure!(
+            env.get("SLIPWAY_WORLD_SIZE").map(String::as_str) == Some("2"),
+            "{}: world size",
+            pod.name_any()
+        );
+        ensure!(
+            env.get("SLIPWAY_LEADER_ADDR") == Some(&leader_addr),
+            "{}: leader {:?}",
+            pod.name_any(),
+            env.get("SLIPWAY_LEADER_ADDR")
+        );
+    }
+
+    // Deleting one rank recreates both.
+    let old: BTreeSet<String> = [leader, worker]
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect();
+    setup
+        .pods()
+        .delete("big-g0-r1", &DeleteParams::default())
+        .await?;
+    let pods_api = setup.pods();
+    let old_uids = old.clone();
+    wait::poll(
+        "both ranks of big-g0 recreated and ready",
+        CONVERGE,
+        || {
+            let pods_api = pods_api.clone();
+            let old_uids = old_uids.clone();
+            async move {
+                let list = pods_api
+                    .list(&ListParams::default().labels("app.kubernetes.io/instance=big"))
+                    .await?;
+                let fresh = list.items.len() == 2
+                    && list.items.iter().all(|p| {
+                        p.metadata.deletion_timestamp.is_none()
+                            && pod_ready(p)
+                            && p.metadata
+                                .uid
+                                .as_ref()
+                                .is_some_and(|u| !old_uids.contains(u))
+                    });
+                Ok(fresh.then_some(()))
+            }
+        },
+        || "old pods still present".to_owned(),
+    )
+    .await?;
+    setup.ensure_no_forbidden()
+}
+
+async fn child_versions(setup: &Setup, instance: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let selector = ListParams::default().labels(&format!("app.kubernetes.io/instance={instance}"));
+    let mut versions = BTreeMap::new();
+    for pod in setup.pods().list(&selector).await?.items {
+        versions.insert(
+            format!("Pod/{}", pod.name_any()),
+            pod.resource_version().unwrap_or_default(),
+        );
+    }
+    for svc in Api::<Service>::namespaced(setup.admin.clone(), setup.ns())
+        .list(&selector)
+        .await?
+        .items
+    {
+        versions.insert(
+            format!("Service/{}", svc.name_any()),
+            svc.resource_version().unwrap_or_default(),
+        );
+    }
+    for pdb in Api::<PodDisruptionBudget>::namespaced(setup.admin.clone(), setup.ns())
+        .list(&selector)
+        .await?
+        .items
+    {
+        versions.insert(
+            format!("PDB/{}", pdb.name_any()),
+            pdb.resource_version().unwrap_or_default(),
+        );
+    }
+    Ok(versions)
+}
+
+async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    let sample = cpu_sample(setup.ns())?;
+    setup.apply(&sample).await?;
+    setup.wait_ready("smollm2", 5).await?;
+    setup.wait_pods(&pod_names("smollm2", 5, 1)).await?;
+    // Let the last status write land before taking the baseline: FaultTolerant and
+    // serving follow readiness by one reconcile.
+    let isvc = wait::for_object(
+        &setup.isvcs(),
+        "smollm2",
+        "smollm2 fault tolerant",
+        CONVERGE,
+        |o: Option<&DynamicObject>| {
+            o.is_some_and(|o| {
+                condition(&o.data["status"], "FaultTolerant") == Some("True")
+                    && condition(&o.data["status"], "Progressing") == Some("False")
+            })
+        },
+    )
+    .await?;
+    let before = child_versions(&setup, "smollm2").await?;
+    let isvc_version = isvc.resource_version();
+
+    setup.apply(&sample).await?;
+    // Watch the children and the InferenceService for 30 s from the baseline's
+    // resourceVersions: any event at all is a write, i.e. a hot loop.
+    let selector = "app.kubernetes.io/instance=smollm2";
+    let params = WatchParams::default().labels(selector).timeout(30);
+    let pod_list = setup
+        .pods()
+        .list(&ListParams::default().labels(selector))
+        .await?;
+    let svc_api = Api::<Service>::namespaced(setup.admin.clone(), setup.ns());
+    let svc_list = svc_api
+        .list(&ListParams::default().labels(selector))
+        .await?;
+    let isvc_list = setup.isvcs().list(&ListParams::default()).await?;
+    let mut changes = futures::stream::select_all(vec![
+        setup
+            .pods()
+            .watch(
+                &params,
+                &pod_list.metadata.resource_version.unwrap_or_default(),
+            )
+            .await?
+            .map(|e| e.map(|e| format!("pod {e:?}")))
+            .boxed(),
+        svc_api
+            .watch(
+                &params,
+                &svc_list.metadata.resource_version.unwrap_or_default(),
+            )
+            .await?
+            .map(|e| e.map(|e| format!("service {e:?}")))
+            .boxed(),
+        setup
+            .isvcs()
+            .watch(
+                &WatchParams::default().timeout(30),
+                &isvc_list.metadata.resource_version.unwrap_or_default(),
+            )
+            .await?
+            .map(|e| e.map(|e| format!("inferenceservice {e:?}")))
+            .boxed(),
+    ]);
+    // The server ends each watch after 30 s; the stream ends when all have.
+    while let Some(event) = changes.next().await {
+        let event = event?;
+        // Bookmarks carry no change.
+        ensure!(
+            event.contains("Bookmark"),
+            "a write after an unchanged re-apply: {event}"
+        );
+    }
+    let after = child_versions(&setup, "smollm2").await?;
+    ensure!(
+        after == before,
+        "children changed after an unchanged re-apply:\nbefore {before:?}\nafter  {after:?}"
+    );
+    ensure!(
+        setup.isvcs().get("smollm2").await?.resource_version() == isvc_version,
+        "the InferenceService was written"
+    );
+    let managed = setup
+        .isvcs()
+        .get("smollm2")
+        .await?
+        .metadata
+        .managed_fields
+        .unwrap_or_default();
+    for entry in managed
+        .iter()
+        .filter(|m| m.manager.as_deref() == Some("slipway-operator"))
+    {
+        ensure!(
+            entry.subresource.as_deref() == Some("status"),
+            "the operator manages fields outside status: {entry:?}"
+        );
+    }
+    ensure!(
+        managed
+            .iter()
+            .any(|m| m.manager.as_deref() == Some("slipway-operator")),
+        "no status written by slipway-operator"
+    );
+    setup.ensure_no_forbidden()
+}
+
+async fn lease_holder(setup: &Setup) -> anyhow::Result<Option<String>> {
+    let lease = Api::<Lease>::namespaced(setup.admin.clone(), setup.ns())
+        .get_opt("slipway-operator")
+        .await?;
+    Ok(lease.and_then(|l| l.spec?.holder_identity))
+}
+
+async fn only_the_leader_acts_and_a_standby_takes_over(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let mut a = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    let leases = Api::<Lease>::namespaced(setup.admin.clone(), setup.ns());
+    let lease = wait::for_object(
+        &leases,
+        "slipway-operator",
+        "a lease holder",
+        CONVERGE,
+        |l: Option<&Lease>| {
+            l.and_then(|l| l.spec.as_ref()?.holder_identity.clone())
+                .is_some()
+        },
+    )
+    .await?;
+    ensure!(
+        lease.spec.and_then(|s| s.holder_identity).as_deref() == Some("op-a"),
+        "op-a did not take the free lease"
+    );
+    let mut b = Operator::start(&env, &setup.identity, setup.ns(), "op-b")?;
+    let mut sample = cpu_sample(setup.ns())?;
+    setup.apply(&sample).await?;
+    setup.wait_ready("smollm2", 5).await?;
+    ensure!(
+        lease_holder(&setup).await?.as_deref() == Some("op-a"),
+        "leadership moved without a failure"
+    );
+    ensure!(
+        !b.log_text().contains("\"reconciled\""),
+        "the standby reconciled:\n{}",
+        b.log_text()
+    );
+
+    a.kill();
+    let killed = Instant::now();
+    wait::for_object(
+        &leases,
+        "slipway-operator",
+        "op-b holds the lease",
+        Duration::from_secs(LEASE_SECONDS * 3),
+        |l: Option<&Lease>| {
+            l.and_then(|l| l.spec.as_ref()?.holder_identity.clone())
+                .as_deref()
+                == Some("op-b")
+        },
+    )
+    .await?;
+    let took = killed.elapsed();
+    ensure!(
+        took <= Duration::from_secs(LEASE_SECONDS + 2 * RETRY_SECONDS + 1),
+        "failover took {took:?}, more than the lease duration ({LEASE_SECONDS}s) plus two retries"
+    );
+    // The new leader acts.
+    sample["spec"]["capacity"]["peakDemand"] = json!(0.5);
+    setup.apply(&sample).await?;
+    setup.wait_ready("smollm2", 2).await?;
+    ensure!(
+        b.log_text().contains("acquired leadership"),
+        "op-b never logged leadership"
+    );
+    b.kill();
+    drop((a, b));
+    setup.ensure_no_forbidden()
+}
+
+async fn a_killed_operator_converges_without_duplicates(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let mut first = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    let mut sample = cpu_sample(setup.ns())?;
+    sample["spec"]["capacity"]["peakDemand"] = json!(3);
+    setup.apply(&sample).await?;
+    // Kill it as soon as it has started creating pods (mid-reconcile for 10 groups).
+    let pods = setup.pods();
+    wait::poll(
+        "the first pod",
+        CONVERGE,
+        || {
+            let pods = pods.clone();
+            async move { Ok((!pods.list(&ListParams::default()).await?.items.is_empty()).then_some(())) }
+        },
+        || "no pods".to_owned(),
+    )
+    .await?;
+    first.kill();
+    // A new process with another identity must wait out the dead one's lease, then finish.
+    let _second = Operator::start(&env, &setup.identity, setup.ns(), "op-b")?;
+    setup.wait_ready("smollm2", 10).await?;
+    let pods = setup.wait_pods(&pod_names("smollm2", 10, 1)).await?;
+    ensure!(pods.len() == 10, "expected 10 pods, found {}", pods.len());
+    let services = Api::<Service>::namespaced(setup.admin.clone(), setup.ns())
+        .list(&ListParams::default().labels("app.kubernetes.io/instance=smollm2"))
+        .await?;
+    // 10 group Services + the client Service + the release Service.
+    ensure!(
+        services.items.len() == 12,
+        "services: {:?}",
+        services
+            .items
+            .iter()
+            .map(|s| s.name_any())
+            .collect::<Vec<_>>()
+    );
+    setup.ensure_no_forbidden()
+}
+
+async fn deleting_the_service_collects_every_child(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    setup.apply(&cpu_sample(setup.ns())?).await?;
+    setup.wait_ready("smollm2", 5).await?;
+    ensure!(
+        !child_versions(&setup, "smollm2").await?.is_empty(),
+        "no children"
+    );
+    setup
+        .isvcs()
+        .delete("smollm2", &DeleteParams::foreground())
+        .await?;
+    let setup_ref = &setup;
+    wait::poll(
+        "every child garbage-collected",
+        CONVERGE,
+        move || async move {
+            Ok(child_versions(setup_ref, "smollm2")
+                .await
+                .ok()
+                .filter(BTreeMap::is_empty)
+                .map(|_| ()))
+        },
+        || "children remain".to_owned(),
+    )
+    .await?;
+    setup.ensure_no_forbidden()
+}
