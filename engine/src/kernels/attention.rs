@@ -66,6 +66,22 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 /// When the block table does not cover `pos` or a block lies outside `layer`.
 #[inline(always)]
 pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    // The common geometry gets constant trip counts, so the inner loops become
+    // straight-line vector code.
+    match (query.layout.block_size, query.layout.head_dim) {
+        (16, 64) => attend_body::<16, 64>(query, scores, out),
+        _ => attend_body::<0, 0>(query, scores, out),
+    }
+}
+
+/// The attention body; `BS`/`HD` are the block size and head size when known at
+/// compile time, 0 when taken from the layout.
+#[inline(always)]
+fn attend_body<const BS: usize, const HD: usize>(
+    query: &AttnQuery<'_>,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let AttnQuery {
         layer,
         layout,
@@ -75,24 +91,39 @@ pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]
         q,
         scale,
     } = *query;
-    let (bs, hd) = (layout.block_size, layout.head_dim);
+    let bs = if BS == 0 { layout.block_size } else { BS };
+    let hd = if HD == 0 { layout.head_dim } else { HD };
     let group = q.len() / hd;
     let ctx = pos + 1;
     let nblk = ctx.div_ceil(bs);
     // Scores are laid out in whole blocks (`cap` per head); slots past `pos` in the
     // last block are computed from whatever the block holds and then ignored.
     let cap = nblk * bs;
-    scores.clear();
-    scores.resize(group * cap, 0.0);
+    scratch.clear();
+    scratch.resize(group * hd + group * cap, 0.0);
+    let (qs, scores) = scratch.split_at_mut(group * hd);
+    // llama.cpp converts Q to f16 to multiply it with its f16 keys.
+    for (o, &v) in qs.iter_mut().zip(q) {
+        *o = super::quant::round_f16(v) * scale;
+    }
     for (bi, &block) in table[..nblk].iter().enumerate() {
         let kt = &layer[layout.offset(block as usize, false, kv_head)..][..hd * bs];
         for h in 0..group {
-            let acc = &mut scores[h * cap + bi * bs..][..bs];
-            for (d, row) in kt.chunks_exact(bs).enumerate() {
-                // llama.cpp converts Q to f16 to multiply it with its f16 keys.
-                let qd = super::quant::round_f16(q[h * hd + d]) * scale;
-                for (a, k) in acc.iter_mut().zip(row) {
-                    *a += qd * k;
+            let dst = &mut scores[h * cap + bi * bs..][..bs];
+            if BS > 0 {
+                // A local fixed-size accumulator stays in one vector register.
+                let mut acc = [0f32; BS];
+                for (row, &qd) in kt.chunks_exact(BS).zip(&qs[h * hd..(h + 1) * hd]) {
+                    for s in 0..BS {
+                        acc[s] += qd * row[s];
+                    }
+                }
+                dst.copy_from_slice(&acc);
+            } else {
+                for (row, &qd) in kt.chunks_exact(bs).zip(&qs[h * hd..(h + 1) * hd]) {
+                    for (a, k) in dst.iter_mut().zip(row) {
+                        *a += qd * k;
+                    }
                 }
             }
         }
