@@ -1,6 +1,29 @@
 //! The Slipway operator: reconciles `InferenceService` objects into fault-tolerant
 //! groups of engine pods.
 //!
-//! This crate is intentionally nearly empty: the controller (observe → pure `plan` →
-//! server-side apply → status) arrives with the operator issue. The API types and
-//! the capacity math it will use already live in `slipway-api`.
+//! Shape (STYLE.md, "Operator"): [`reconcile`] observes the children and nodes,
+//! [`plan()`] decides everything as a pure function of that and the time, and
+//! `reconcile` server-side-applies the result with one field manager, deletes what the
+//! plan drops, writes status through the status subresource only and records the
+//! plan's events. [`leader`] makes sure only one replica does this at a time.
+//!
+//! - [`groups`]: how one replica (`tensor × pipeline` GPUs) is split into pods.
+//! - [`pod`]: the engine pod of one rank (why pods, not StatefulSets, is there).
+//! - [`plan`](mod@plan): objects, scale-in, group restarts, status and events.
+//! - [`conditions`]: condition merging and transition detection.
+//! - [`observed`]: the plain-data view of the cluster `plan` reads.
+
+pub mod conditions;
+pub mod error;
+pub mod groups;
+pub mod labels;
+pub mod leader;
+pub mod metrics;
+pub mod observed;
+pub mod plan;
+pub mod pod;
+pub mod reconcile;
+
+pub use error::Error;
+pub use observed::Observed;
+pub use plan::{Plan, plan};

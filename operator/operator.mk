@@ -1,0 +1,12 @@
+# Operator targets, included by the root Makefile (`-include operator/operator.mk`).
+
+.PHONY: demo demo-down operator-e2e
+
+demo: ## local control plane + CRD + RBAC + operator (own token identity) + SmolLM2 sample, until Ready
+	operator/demo.sh
+
+demo-down: ## stop the demo operator (by PID) and the local control plane
+	operator/demo.sh down
+
+operator-e2e: e2e-build ## only the operator's end-to-end tests on the real control plane
+	$(CARGO) test --locked -p slipway-e2e --test operator_e2e

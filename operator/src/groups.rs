@@ -1,0 +1,230 @@
+//! How one group (`tensor × pipeline` GPUs, one replica) is split into pods.
+//!
+//! The rule (issue 4): a group that fits on one node is one pod requesting all its
+//! GPUs. A larger group is split into the fewest pods of at most `gpusPerNode` GPUs,
+//! keeping every tensor-parallel set inside one pod whenever `tensor ≤ gpusPerNode`
+//! (tensor parallelism needs NVLink bandwidth; pipeline stages only pass activations,
+//! so stage boundaries are where a group may cross nodes). When `tensor >
+//! gpusPerNode` the tensor set itself must cross nodes, and the group fills whole
+//! nodes (the CRD requires `tensor × pipeline` to be a multiple of `gpusPerNode`).
+//!
+//! Invariants: the pods' GPUs sum to `tensor × pipeline`; no pod exceeds
+//! `gpusPerNode`; rank 0 is the leader; ranks are `0..pods`.
+
+use slipway_api::spec::Parallelism;
+
+/// One pod of a group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodShape {
+    /// Rank of the pod inside its group; 0 is the leader.
+    pub rank: u32,
+    /// GPUs this pod requests.
+    pub gpus: u32,
+    /// Pipeline stages this pod runs, `first..first + count`. When a tensor set spans
+    /// pods, every pod takes part in the same stages and this is the whole pipeline.
+    pub first_stage: u32,
+    pub stage_count: u32,
+}
+
+/// The pods of one group, in rank order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupShape {
+    pub tensor: u32,
+    pub pipeline: u32,
+    pub pods: Vec<PodShape>,
+}
+
+impl GroupShape {
+    /// Pods in one group (the group's world size, in pods).
+    pub fn world_size(&self) -> u32 {
+        // At most 512 GPUs per group, so the count fits any integer type.
+        u32::try_from(self.pods.len()).unwrap_or(u32::MAX)
+    }
+
+    /// GPUs in one group.
+    pub fn gpus(&self) -> u32 {
+        self.pods.iter().map(|pod| pod.gpus).sum()
+    }
+}
+
+/// Why a parallelism cannot be split (the CRD rejects all of these; the operator
+/// still refuses them rather than guess).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    #[error(
+        "tensor, pipeline and gpusPerNode must all be at least 1 (got {tensor}, {pipeline}, {gpus_per_node})"
+    )]
+    NotPositive {
+        tensor: i32,
+        pipeline: i32,
+        gpus_per_node: i32,
+    },
+    #[error(
+        "tensor {tensor} spans nodes of {gpus_per_node} GPUs, so tensor × pipeline ({total}) must be a multiple of gpusPerNode"
+    )]
+    PartialNode {
+        tensor: u32,
+        total: u32,
+        gpus_per_node: u32,
+    },
+}
+
+/// Splits a group into pods.
+///
+/// # Errors
+/// [`ShapeError`] for non-positive degrees or a tensor set that crosses nodes without
+/// filling them.
+pub fn group_shape(parallelism: &Parallelism) -> Result<GroupShape, ShapeError> {
+    let positive = |value: i32| u32::try_from(value).ok().filter(|&v| v > 0);
+    let (Some(tensor), Some(pipeline), Some(per_node)) = (
+        positive(parallelism.tensor),
+        positive(parallelism.pipeline),
+        positive(parallelism.gpus_per_node),
+    ) else {
+        return Err(ShapeError::NotPositive {
+            tensor: parallelism.tensor,
+            pipeline: parallelism.pipeline,
+            gpus_per_node: parallelism.gpus_per_node,
+        });
+    };
+    let total = tensor.saturating_mul(pipeline);
+    let pods = if total <= per_node {
+        vec![PodShape {
+            rank: 0,
+            gpus: total,
+            first_stage: 0,
+            stage_count: pipeline,
+        }]
+    } else if tensor <= per_node {
+        // Whole tensor sets per pod: as many stages as fit on one node.
+        let stages_per_pod = per_node / tensor;
+        let pod_count = pipeline.div_ceil(stages_per_pod);
+        (0..pod_count)
+            .map(|rank| {
+                let first_stage = rank * stages_per_pod;
+                let stage_count = stages_per_pod.min(pipeline - first_stage);
+                PodShape {
+                    rank,
+                    gpus: stage_count * tensor,
+                    first_stage,
+                    stage_count,
+                }
+            })
+            .collect()
+    } else {
+        if total % per_node != 0 {
+            return Err(ShapeError::PartialNode {
+                tensor,
+                total,
+                gpus_per_node: per_node,
+            });
+        }
+        (0..total / per_node)
+            .map(|rank| PodShape {
+                rank,
+                gpus: per_node,
+                first_stage: 0,
+                stage_count: pipeline,
+            })
+            .collect()
+    };
+    Ok(GroupShape {
+        tensor,
+        pipeline,
+        pods,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(tensor: i32, pipeline: i32, gpus_per_node: i32) -> Vec<(u32, u32, u32)> {
+        let parallelism = Parallelism {
+            tensor,
+            pipeline,
+            gpus_per_node,
+            ..Parallelism::default()
+        };
+        group_shape(&parallelism)
+            .unwrap_or_else(|error| panic!("{tensor}×{pipeline}/{gpus_per_node}: {error}"))
+            .pods
+            .iter()
+            .map(|pod| (pod.gpus, pod.first_stage, pod.stage_count))
+            .collect()
+    }
+
+    #[test]
+    fn the_issues_examples() {
+        // (gpus, first stage, stages) per pod, rank order.
+        assert_eq!(shape(8, 2, 8), vec![(8, 0, 1), (8, 1, 1)]);
+        assert_eq!(shape(4, 4, 8), vec![(8, 0, 2), (8, 2, 2)]);
+        assert_eq!(shape(16, 1, 8), vec![(8, 0, 1), (8, 0, 1)]);
+        assert_eq!(shape(4, 2, 8), vec![(8, 0, 2)]);
+        assert_eq!(shape(1, 1, 8), vec![(1, 0, 1)]);
+    }
+
+    #[test]
+    fn tensor_sets_never_straddle_pods_when_they_fit() {
+        // 3 does not divide 8: two stages (6 GPUs) per pod, never 8 with a set cut.
+        assert_eq!(shape(3, 5, 8), vec![(6, 0, 2), (6, 2, 2), (3, 4, 1)]);
+    }
+
+    #[test]
+    fn invariants_hold_over_every_valid_shape() {
+        for per_node in 1..=16 {
+            for tensor in 1..=32 {
+                for pipeline in 1..=16 {
+                    let parallelism = Parallelism {
+                        tensor,
+                        pipeline,
+                        gpus_per_node: per_node,
+                        ..Parallelism::default()
+                    };
+                    let total = (tensor * pipeline) as u32;
+                    let Ok(group) = group_shape(&parallelism) else {
+                        assert!(tensor > per_node && !total.is_multiple_of(per_node as u32));
+                        continue;
+                    };
+                    assert_eq!(group.gpus(), total, "{tensor}×{pipeline}/{per_node}");
+                    assert!(group.pods.iter().all(|pod| pod.gpus <= per_node as u32));
+                    assert!(
+                        group
+                            .pods
+                            .iter()
+                            .enumerate()
+                            .all(|(i, pod)| pod.rank == i as u32)
+                    );
+                    if tensor <= per_node {
+                        assert!(group.pods.iter().all(|pod| pod.gpus % tensor as u32 == 0));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nonsense_is_refused() {
+        let parallelism = Parallelism {
+            tensor: 0,
+            pipeline: 1,
+            gpus_per_node: 8,
+            ..Parallelism::default()
+        };
+        assert!(group_shape(&parallelism).is_err());
+        let parallelism = Parallelism {
+            tensor: 12,
+            pipeline: 1,
+            gpus_per_node: 8,
+            ..Parallelism::default()
+        };
+        assert_eq!(
+            group_shape(&parallelism),
+            Err(ShapeError::PartialNode {
+                tensor: 12,
+                total: 12,
+                gpus_per_node: 8
+            })
+        );
+    }
+}

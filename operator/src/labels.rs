@@ -1,0 +1,109 @@
+//! Names and labels of everything the operator creates for an InferenceService.
+//!
+//! Invariants: every child carries `app.kubernetes.io/instance = <isvc name>` and
+//! `app.kubernetes.io/managed-by = slipway-operator`, which is how orphans are found
+//! and deleted by label; every name is a DNS-1035 label (≤ 63 characters), which
+//! [`check_name`] guarantees by bounding the InferenceService's own name.
+
+use std::collections::BTreeMap;
+
+/// The one field manager of every write the operator makes.
+pub const FIELD_MANAGER: &str = "slipway-operator";
+
+pub const NAME: &str = "app.kubernetes.io/name";
+pub const INSTANCE: &str = "app.kubernetes.io/instance";
+pub const COMPONENT: &str = "app.kubernetes.io/component";
+pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const PART_OF: &str = "app.kubernetes.io/part-of";
+pub const VERSION: &str = "app.kubernetes.io/version";
+/// Short release-bundle hash.
+pub const RELEASE: &str = "slipway.dev/release";
+/// Group index, `0..desired`.
+pub const GROUP: &str = "slipway.dev/group";
+/// Rank inside the group; 0 is the leader.
+pub const RANK: &str = "slipway.dev/rank";
+
+/// Hash of the rendered pod: a pod whose hash differs from the plan's is outdated and
+/// its group is recreated (pod specs are immutable).
+pub const TEMPLATE_HASH: &str = "slipway.dev/template-hash";
+/// On a group's headless Service: how often the group was recreated after a failure.
+pub const RESTARTS: &str = "slipway.dev/restarts";
+/// On a group's headless Service: when the group was last recreated (RFC 3339).
+pub const LAST_RESTART: &str = "slipway.dev/last-restart";
+
+/// The engine container's HTTP port.
+pub const ENGINE_PORT: i32 = 8000;
+
+/// Longest InferenceService name that keeps every child name within 63 characters:
+/// `<name>-<10-char hash>` for the per-release Service and `<name>-g999-r511` for pods.
+pub const MAX_NAME_LEN: usize = 63 - 1 - slipway_api::bundle::SHORT_HASH_LEN;
+
+/// Checks that children of `name` get valid names.
+///
+/// # Errors
+/// A sentence for the `Ready=False` condition when the name is too long.
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.len() > MAX_NAME_LEN {
+        return Err(format!(
+            "metadata.name {name:?} has {} characters; at most {MAX_NAME_LEN} leave room for the names of its pods and Services",
+            name.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Labels every child of `instance` carries (and that select them).
+pub fn instance_selector(instance: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (INSTANCE.to_owned(), instance.to_owned()),
+        (MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned()),
+    ])
+}
+
+/// The label selector string for [`instance_selector`].
+pub fn instance_selector_string(instance: &str) -> String {
+    format!("{INSTANCE}={instance},{MANAGED_BY}={FIELD_MANAGER}")
+}
+
+/// Labels of every engine pod of `instance` (the client Service selects these).
+pub fn engine_selector(instance: &str) -> BTreeMap<String, String> {
+    let mut labels = instance_selector(instance);
+    labels.insert(COMPONENT.to_owned(), "engine".to_owned());
+    labels
+}
+
+/// Labels of one group's pods.
+pub fn group_selector(instance: &str, group: u32) -> BTreeMap<String, String> {
+    let mut labels = engine_selector(instance);
+    labels.insert(GROUP.to_owned(), group.to_string());
+    labels
+}
+
+/// Name of the client Service (and the PodDisruptionBudget).
+pub fn client_service(instance: &str) -> String {
+    instance.to_owned()
+}
+
+/// Name of a group's headless Service: the subdomain of its pods' DNS names.
+pub fn group_service(instance: &str, group: u32) -> String {
+    format!("{instance}-g{group}")
+}
+
+/// Name of a release's Service.
+pub fn release_service(instance: &str, release: &str) -> String {
+    format!("{instance}-{release}")
+}
+
+/// Name (and hostname) of a pod.
+pub fn pod(instance: &str, group: u32, rank: u32) -> String {
+    format!("{instance}-g{group}-r{rank}")
+}
+
+/// The stable DNS name of a group's leader: `<pod>.<group service>.<namespace>.svc`.
+pub fn leader_host(instance: &str, namespace: &str, group: u32) -> String {
+    format!(
+        "{}.{}.{namespace}.svc",
+        pod(instance, group, 0),
+        group_service(instance, group)
+    )
+}

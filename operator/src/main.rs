@@ -1,0 +1,165 @@
+//! `slipway-operator`: runs the InferenceService controller under leader election,
+//! serves `/metrics` and `/healthz`, and shuts down gracefully on SIGTERM/SIGINT
+//! (finishing in-flight reconciles and releasing the Lease).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use slipway_operator::leader::{Elector, LeaseConfig};
+use slipway_operator::metrics::{self, Metrics};
+use slipway_operator::reconcile::{self, Context};
+use tokio::sync::watch;
+use tracing::{error, info};
+
+/// Reconciles InferenceService objects into fault-tolerant groups of engine pods.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Address of the /metrics and /healthz listener.
+    #[arg(long, env = "SLIPWAY_METRICS_ADDR", default_value = "127.0.0.1:8080")]
+    metrics_addr: SocketAddr,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "slipway-system")]
+    lease_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "slipway-operator")]
+    lease_name: String,
+    /// This replica's identity in the Lease (defaults to the pod name, or host-pid).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "SLIPWAY_WATCH_NAMESPACE")]
+    namespace: Option<String>,
+    /// Seconds a Lease stays valid without renewal.
+    #[arg(long, default_value_t = 15)]
+    lease_duration_seconds: u64,
+    /// Seconds between renewals and acquisition attempts.
+    #[arg(long, default_value_t = 2)]
+    lease_retry_seconds: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .json()
+        .init();
+    let args = Args::parse();
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "operator".to_owned());
+        format!("{host}-{}", std::process::id())
+    });
+    let client = kube::Client::try_default()
+        .await
+        .context("building the Kubernetes client")?;
+    let metrics = Arc::new(Metrics::default());
+
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_addr))?;
+    info!(addr = %args.metrics_addr, "serving /metrics and /healthz");
+    let router = metrics::router(metrics.clone());
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, router).await {
+            error!(%error, "metrics server stopped");
+        }
+    });
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+
+    let config = LeaseConfig {
+        duration: Duration::from_secs(args.lease_duration_seconds),
+        retry: Duration::from_secs(args.lease_retry_seconds),
+    };
+    let mut elector = Elector::new(
+        client.clone(),
+        &args.lease_namespace,
+        &args.lease_name,
+        &identity,
+        config,
+    );
+    info!(%identity, lease = %args.lease_name, "waiting for leadership");
+    let mut stopping = stop_rx.clone();
+    tokio::select! {
+        acquired = elector.acquire() => acquired?,
+        _ = stopping.wait_for(|stop| *stop) => {
+            info!("stopped before becoming leader");
+            return Ok(());
+        }
+    }
+    metrics.set_leader(true);
+
+    let ctx = Arc::new(Context::new(client, elector.identity(), metrics.clone()));
+    let mut controller_stop = stop_rx.clone();
+    let (lost_tx, mut lost_rx) = watch::channel(false);
+    let controller = tokio::spawn(reconcile::run(ctx, args.namespace.clone(), async move {
+        tokio::select! {
+            _ = controller_stop.wait_for(|stop| *stop) => {}
+            _ = lost_rx.wait_for(|lost| *lost) => {}
+        }
+    }));
+
+    // Renew until asked to stop or until the Lease can no longer be trusted.
+    let mut stopping = stop_rx.clone();
+    let lost = loop {
+        tokio::select! {
+            _ = stopping.wait_for(|stop| *stop) => break false,
+            () = tokio::time::sleep(config.retry) => {}
+        }
+        match elector.try_acquire_or_renew().await {
+            Ok(true) => {}
+            Ok(false) => break true,
+            Err(error) if elector.still_leading() => {
+                error!(%error, "renewing the lease failed; retrying")
+            }
+            Err(error) => {
+                error!(%error, "renewing the lease failed past its deadline");
+                break true;
+            }
+        }
+    };
+    let _ = lost_tx.send(true);
+    metrics.set_leader(false);
+    if let Err(error) = controller.await {
+        error!(%error, "controller task failed");
+    }
+    if lost {
+        // Another replica may act from now on; exit so we are restarted as a candidate.
+        anyhow::bail!("lost leadership of lease {}", args.lease_name);
+    }
+    elector.release().await;
+    info!("shut down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,194 @@
+//! What the cluster shows about one InferenceService, as plain data.
+//!
+//! `observe` (in [`crate::reconcile`]) lists the children and nodes and converts them
+//! with the functions here; [`crate::plan()`] reads only these types, so the YAML
+//! fixtures of the plan tests can state a cluster in a few lines.
+//!
+//! Invariant: conversion never fails. A child whose labels cannot be read (no group
+//! or rank) is reported as `unparsed` and deleted as an orphan, never guessed at.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use serde::{Deserialize, Serialize};
+
+use crate::labels;
+
+/// Everything `plan` needs to know about the cluster.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Observed {
+    /// Engine pods of this InferenceService.
+    #[serde(default)]
+    pub pods: Vec<ObservedPod>,
+    /// Headless group Services: the restart record of each group.
+    #[serde(default)]
+    pub groups: Vec<GroupRecord>,
+    /// Names of the per-release Services that exist.
+    #[serde(default)]
+    pub release_services: BTreeSet<String>,
+    /// Nodes by name.
+    #[serde(default)]
+    pub nodes: BTreeMap<String, ObservedNode>,
+    /// Pods listed as ready endpoints of the client Service (they receive traffic).
+    #[serde(default)]
+    pub serving_pods: BTreeSet<String>,
+    /// Children carrying our labels whose group or rank cannot be read: deleted.
+    #[serde(default)]
+    pub unparsed_pods: Vec<String>,
+}
+
+/// The pod phase, as far as groups care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Phase {
+    #[default]
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+    Unknown,
+}
+
+/// One engine pod.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ObservedPod {
+    pub name: String,
+    pub group: u32,
+    pub rank: u32,
+    /// `slipway.dev/template-hash`; `None` (no annotation) counts as outdated.
+    #[serde(default)]
+    pub template_hash: Option<String>,
+    #[serde(default)]
+    pub release: String,
+    #[serde(default)]
+    pub phase: Phase,
+    /// The pod's `Ready` condition.
+    #[serde(default)]
+    pub ready: bool,
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Has a deletionTimestamp.
+    #[serde(default)]
+    pub terminating: bool,
+    /// Why it is not ready, when the pod says (a waiting or terminated reason).
+    #[serde(default)]
+    pub problem: Option<String>,
+}
+
+/// A node, as fault domains see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ObservedNode {
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// The node's `Ready` condition.
+    #[serde(default)]
+    pub ready: bool,
+}
+
+/// A group's restart record, kept in annotations of its headless Service because
+/// the Service outlives the group's pods.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupRecord {
+    pub group: u32,
+    #[serde(default)]
+    pub restarts: u32,
+    #[serde(default)]
+    pub last_restart: Option<Time>,
+}
+
+/// Converts a pod listed by the instance selector. `None` when its group or rank
+/// label is missing or not a number.
+pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
+    let meta = &pod.metadata;
+    let labels = meta.labels.as_ref()?;
+    let number = |key: &str| labels.get(key)?.parse::<u32>().ok();
+    let status = pod.status.as_ref();
+    let phase = match status.and_then(|s| s.phase.as_deref()) {
+        Some("Running") => Phase::Running,
+        Some("Succeeded") => Phase::Succeeded,
+        Some("Failed") => Phase::Failed,
+        Some("Unknown") => Phase::Unknown,
+        _ => Phase::Pending,
+    };
+    let ready = status
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|conditions| {
+            conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True")
+        });
+    let problem = status
+        .and_then(|s| {
+            s.init_container_statuses
+                .iter()
+                .flatten()
+                .chain(s.container_statuses.iter().flatten())
+                .find_map(|c| {
+                    let state = c.state.as_ref()?;
+                    state
+                        .waiting
+                        .as_ref()
+                        .and_then(|w| w.reason.clone())
+                        .or_else(|| state.terminated.as_ref().and_then(|t| t.reason.clone()))
+                        .map(|reason| format!("{}: {reason}", c.name))
+                })
+        })
+        .or_else(|| status.and_then(|s| s.reason.clone()));
+    Some(ObservedPod {
+        name: meta.name.clone()?,
+        group: number(labels::GROUP)?,
+        rank: number(labels::RANK)?,
+        template_hash: meta
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(labels::TEMPLATE_HASH).cloned()),
+        release: labels.get(labels::RELEASE).cloned().unwrap_or_default(),
+        phase,
+        ready,
+        node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+        terminating: meta.deletion_timestamp.is_some(),
+        problem,
+    })
+}
+
+/// Converts a group's headless Service. `None` when it is not a group Service.
+pub fn group_from(service: &Service) -> Option<GroupRecord> {
+    let group = service
+        .metadata
+        .labels
+        .as_ref()?
+        .get(labels::GROUP)?
+        .parse()
+        .ok()?;
+    let annotations = service.metadata.annotations.as_ref();
+    let annotation = |key: &str| annotations.and_then(|a| a.get(key));
+    Some(GroupRecord {
+        group,
+        restarts: annotation(labels::RESTARTS)
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0),
+        last_restart: annotation(labels::LAST_RESTART).and_then(|value| {
+            serde_json::from_value(serde_json::Value::String(value.clone())).ok()
+        }),
+    })
+}
+
+/// Converts a node.
+pub fn node_from(node: &Node) -> ObservedNode {
+    ObservedNode {
+        labels: node.metadata.labels.clone().unwrap_or_default(),
+        ready: node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|conditions| {
+                conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True")
+            }),
+    }
+}

@@ -1,0 +1,750 @@
+//! `plan(isvc, observed, now) -> Plan`: every decision the operator makes, as a pure
+//! function of the object, what the cluster shows ([`Observed`]) and the time.
+//!
+//! Decisions: how many groups (capacity math from `slipway-api`), the shape of each
+//! group ([`crate::groups`]), the pods, Services and PodDisruptionBudget that should
+//! exist, which children to delete (scale-in removes the highest indices; outdated
+//! or broken groups are recreated whole), the status with its conditions, and the
+//! events a person would want to see.
+//!
+//! Group lifecycle, per index `g < desired`:
+//! - no pods → create them all (`Starting`);
+//! - a pod with another template hash → delete the group, recreate it (`Replacing`);
+//! - a pod failed, is missing, or is being deleted while its peers live → the group
+//!   is broken. It is recreated whole after a backoff (10 s doubling, capped at 5 min)
+//!   and at most [`MAX_GROUP_RESTARTS`] times; after that it is `Held`: left as it is,
+//!   reported in `Degraded`, and counted as lost capacity. The count resets after the
+//!   group has run ready for [`RESTART_RESET`], or when the group's Service is deleted.
+//! - only terminating pods → wait until they are gone (names are reused).
+//!
+//! Invariants: `plan` never writes the spec; it applies pods only for ranks that do
+//! not exist (pod specs are immutable; changes go through recreation); an unchanged
+//! cluster yields the same objects, the same status and no events.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Pod, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+    LabelSelector, ObjectMeta, OwnerReference, Time,
+};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::jiff::SignedDuration;
+use kube::Resource;
+use slipway_api::bundle::bundle_hash;
+use slipway_api::capacity::{CapacityInput, CapacityPlan, plan_capacity, worst_domain_loss};
+use slipway_api::drain::{DrainBudget, DrainInput, drain_budget};
+use slipway_api::spec::InferenceServiceSpec;
+use slipway_api::status::{InferenceServiceStatus, ReplicaCounts, condition};
+use slipway_api::{InferenceService, duration};
+
+use crate::conditions::{self, Change, Computed};
+use crate::groups::{GroupShape, group_shape};
+use crate::labels;
+use crate::observed::{GroupRecord, Observed, ObservedPod, Phase};
+use crate::pod::{ModelStaging, render};
+
+/// Recreations of one group before it is held.
+pub const MAX_GROUP_RESTARTS: u32 = 5;
+/// First backoff before recreating a broken group; doubles per restart.
+pub const RESTART_BACKOFF_BASE: Duration = Duration::from_secs(10);
+/// Longest backoff between recreations.
+pub const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// A group ready this long after its last restart gets its restart count back.
+pub const RESTART_RESET: Duration = Duration::from_secs(600);
+
+/// What should exist and be reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Objects to server-side apply, in order (leaders before workers).
+    pub apply: Vec<Child>,
+    /// Children to delete (draining happens through the pods' preStop and grace).
+    pub delete: Vec<ChildRef>,
+    /// The status to write through the status subresource.
+    pub status: InferenceServiceStatus,
+    /// Events for transitions; empty when nothing changed.
+    pub events: Vec<PlannedEvent>,
+    /// When to look again even if nothing changes (a backoff ending).
+    pub requeue_after: Option<Duration>,
+    /// The spec cannot be planned; the reason is in `Ready=False`. Wait for a change.
+    pub invalid: Option<String>,
+}
+
+/// A child object.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Child {
+    Pod(Box<Pod>),
+    Service(Box<Service>),
+    PodDisruptionBudget(Box<PodDisruptionBudget>),
+}
+
+impl Child {
+    /// The child's kind and name.
+    pub fn reference(&self) -> ChildRef {
+        let (kind, meta) = match self {
+            Self::Pod(pod) => (ChildKind::Pod, &pod.metadata),
+            Self::Service(service) => (ChildKind::Service, &service.metadata),
+            Self::PodDisruptionBudget(pdb) => (ChildKind::PodDisruptionBudget, &pdb.metadata),
+        };
+        ChildRef {
+            kind,
+            name: meta.name.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// Kinds of children.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ChildKind {
+    Pod,
+    Service,
+    PodDisruptionBudget,
+}
+
+/// A child by kind and name (in the InferenceService's namespace).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ChildRef {
+    pub kind: ChildKind,
+    pub name: String,
+}
+
+/// `Normal` or `Warning`, as events have it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+/// An event to record on the InferenceService.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedEvent {
+    pub type_: EventType,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// Everything about one InferenceService that rendering needs, read once.
+#[derive(Debug, Clone)]
+pub struct Context<'a> {
+    pub name: &'a str,
+    pub namespace: &'a str,
+    pub spec: &'a InferenceServiceSpec,
+    pub owner: OwnerReference,
+    /// Short release-bundle hash.
+    pub release: &'a str,
+    pub kv_namespace: String,
+    pub shape: GroupShape,
+    pub drain: DrainBudget,
+    pub model: ModelStaging,
+    pub slo_ttft_ms: u128,
+    pub slo_tpot_ms: u128,
+}
+
+/// What happens to one group in this plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupState {
+    Starting,
+    Running,
+    Replacing,
+    Recreating,
+    BackingOff,
+    Held,
+    Terminating,
+}
+
+/// Plans one InferenceService. See the module documentation.
+pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
+    let previous = isvc.status.clone().unwrap_or_default();
+    let generation = isvc.metadata.generation.unwrap_or(0);
+    let hash = bundle_hash(&isvc.spec.release);
+    let (Some(name), Some(namespace), Some(owner)) = (
+        isvc.metadata.name.as_deref(),
+        isvc.metadata.namespace.as_deref(),
+        isvc.controller_owner_ref(&()),
+    ) else {
+        return invalid(
+            &previous,
+            generation,
+            now,
+            "the object has no name, namespace or uid".to_owned(),
+        );
+    };
+    let checked = (|| -> Result<_, String> {
+        labels::check_name(name)?;
+        let shape = group_shape(&isvc.spec.parallelism).map_err(|e| format!("parallelism: {e}"))?;
+        let capacity = plan_capacity(&CapacityInput::from(&isvc.spec.capacity))
+            .map_err(|e| format!("capacity: {e}"))?;
+        let drain =
+            drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|e| format!("slo: {e}"))?);
+        let ttft =
+            duration::parse(&isvc.spec.slo.ttft.threshold).map_err(|e| format!("slo.ttft: {e}"))?;
+        let tpot =
+            duration::parse(&isvc.spec.slo.tpot.threshold).map_err(|e| format!("slo.tpot: {e}"))?;
+        let model = ModelStaging::parse(
+            &isvc.spec.release.model.uri,
+            isvc.spec.release.model.sha256.as_deref(),
+        )?;
+        Ok((shape, capacity, drain, ttft, tpot, model))
+    })();
+    let (shape, capacity, drain, ttft, tpot, model) = match checked {
+        Ok(parts) => parts,
+        Err(reason) => return invalid(&previous, generation, now, reason),
+    };
+    let ctx = Context {
+        name,
+        namespace,
+        spec: &isvc.spec,
+        owner,
+        release: hash.short(),
+        kv_namespace: isvc
+            .spec
+            .release
+            .kv_namespace
+            .clone()
+            .unwrap_or_else(|| hash.derived_kv_namespace()),
+        shape,
+        drain,
+        model,
+        slo_ttft_ms: ttft.as_millis(),
+        slo_tpot_ms: tpot.as_millis(),
+    };
+    plan_valid(&ctx, &capacity, &previous, generation, observed, now)
+}
+
+fn plan_valid(
+    ctx: &Context<'_>,
+    capacity: &CapacityPlan,
+    previous: &InferenceServiceStatus,
+    generation: i64,
+    observed: &Observed,
+    now: &Time,
+) -> Plan {
+    let desired = capacity.provisioned;
+    let mut apply = Vec::new();
+    let mut delete = BTreeSet::new();
+    let mut events = Vec::new();
+    let mut requeue: Option<Duration> = None;
+    let mut group_services = Vec::new();
+
+    let mut ready_groups = 0;
+    let mut serving_groups = 0;
+    let mut updated_groups = 0;
+    let mut busy = 0; // groups not yet running as planned
+    let mut broken: Vec<String> = Vec::new();
+    let mut held: Vec<String> = Vec::new();
+    let mut groups_per_domain: BTreeMap<String, u32> = BTreeMap::new();
+    let domain_key = &ctx.spec.capacity.fault_domain.topology_key;
+
+    for group in 0..desired {
+        let pods: Vec<&ObservedPod> = observed.pods.iter().filter(|p| p.group == group).collect();
+        let mut record = observed
+            .groups
+            .iter()
+            .find(|r| r.group == group)
+            .cloned()
+            .unwrap_or(GroupRecord {
+                group,
+                restarts: 0,
+                last_restart: None,
+            });
+        let rendered: Vec<(Pod, String)> = ctx
+            .shape
+            .pods
+            .iter()
+            .map(|shape| render(ctx, group, shape))
+            .collect();
+        let world = rendered.len();
+        let live: Vec<&&ObservedPod> = pods.iter().filter(|p| !p.terminating).collect();
+        let outdated = live.iter().any(|p| {
+            rendered
+                .get(p.rank as usize)
+                .is_none_or(|(_, hash)| p.template_hash.as_deref() != Some(hash.as_str()))
+        });
+        let failed = live
+            .iter()
+            .find(|p| matches!(p.phase, Phase::Failed | Phase::Succeeded));
+        let missing = !live.is_empty() && live.len() < world;
+        let delete_live = |delete: &mut BTreeSet<ChildRef>| {
+            for pod in &live {
+                delete.insert(ChildRef {
+                    kind: ChildKind::Pod,
+                    name: pod.name.clone(),
+                });
+            }
+        };
+
+        let state = if outdated {
+            delete_live(&mut delete);
+            GroupState::Replacing
+        } else if failed.is_some() || missing {
+            let why = match failed {
+                Some(pod) => format!(
+                    "pod {} {}",
+                    pod.name,
+                    pod.problem
+                        .as_deref()
+                        .map_or_else(|| "failed".to_owned(), |p| format!("failed ({p})"))
+                ),
+                None => format!("{} of its {world} pods are gone", world - live.len()),
+            };
+            if record.restarts >= MAX_GROUP_RESTARTS {
+                held.push(format!("group {group} ({why})"));
+                GroupState::Held
+            } else {
+                let wait = backoff(record.restarts)
+                    .saturating_sub(since(record.last_restart.as_ref(), now));
+                if wait > Duration::ZERO {
+                    requeue = Some(requeue.map_or(wait, |r| r.min(wait)));
+                    // No countdown in the message: it would change the status on every
+                    // reconcile and make each status write trigger the next reconcile.
+                    broken.push(format!(
+                        "group {group} ({why}; waiting out the restart backoff)"
+                    ));
+                    GroupState::BackingOff
+                } else {
+                    delete_live(&mut delete);
+                    record.restarts += 1;
+                    record.last_restart = Some(now.clone());
+                    broken.push(format!("group {group} ({why})"));
+                    events.push(PlannedEvent {
+                        type_: EventType::Warning,
+                        reason: "GroupRecreated",
+                        note: format!(
+                            "recreating group {group} (restart {} of {MAX_GROUP_RESTARTS}): {why}",
+                            record.restarts
+                        ),
+                    });
+                    GroupState::Recreating
+                }
+            }
+        } else if !pods.is_empty() && live.is_empty() {
+            GroupState::Terminating
+        } else if live.is_empty() {
+            for (pod, _) in &rendered {
+                apply.push(Child::Pod(Box::new(pod.clone())));
+            }
+            GroupState::Starting
+        } else {
+            GroupState::Running
+        };
+
+        let on_ready_node = |pod: &ObservedPod| {
+            pod.node
+                .as_ref()
+                .and_then(|node| observed.nodes.get(node))
+                .is_some_and(|node| node.ready)
+        };
+        let ready =
+            state == GroupState::Running && live.iter().all(|p| p.ready && on_ready_node(p));
+        if ready {
+            ready_groups += 1;
+            if live.iter().all(|p| observed.serving_pods.contains(&p.name)) {
+                serving_groups += 1;
+            }
+            let leader_domain = live
+                .iter()
+                .find(|p| p.rank == 0)
+                .and_then(|p| observed.nodes.get(p.node.as_deref().unwrap_or_default()))
+                .and_then(|node| node.labels.get(domain_key).cloned())
+                .unwrap_or_else(|| format!("(nodes without {domain_key})"));
+            *groups_per_domain.entry(leader_domain).or_default() += 1;
+            if record.restarts > 0 && since(record.last_restart.as_ref(), now) >= RESTART_RESET {
+                record = GroupRecord {
+                    group,
+                    restarts: 0,
+                    last_restart: None,
+                };
+            }
+        } else {
+            busy += 1;
+        }
+        if state == GroupState::Running && live.iter().all(|p| p.release == ctx.release) {
+            updated_groups += 1;
+        }
+        group_services.push(group_service(ctx, &record));
+    }
+
+    // Scale-in and leftovers: everything beyond `desired`, highest index first.
+    let mut orphans: Vec<&ObservedPod> = observed
+        .pods
+        .iter()
+        .filter(|p| p.group >= desired && !p.terminating)
+        .collect();
+    orphans.sort_by(|a, b| b.group.cmp(&a.group).then(a.rank.cmp(&b.rank)));
+    for pod in orphans {
+        delete.insert(ChildRef {
+            kind: ChildKind::Pod,
+            name: pod.name.clone(),
+        });
+    }
+    for name in &observed.unparsed_pods {
+        delete.insert(ChildRef {
+            kind: ChildKind::Pod,
+            name: name.clone(),
+        });
+    }
+    for record in observed.groups.iter().filter(|r| r.group >= desired) {
+        delete.insert(ChildRef {
+            kind: ChildKind::Service,
+            name: labels::group_service(ctx.name, record.group),
+        });
+    }
+    let current_release_service = labels::release_service(ctx.name, ctx.release);
+    let releases_running: BTreeSet<String> = observed
+        .pods
+        .iter()
+        .map(|p| labels::release_service(ctx.name, &p.release))
+        .collect();
+    for service in &observed.release_services {
+        if *service != current_release_service && !releases_running.contains(service) {
+            delete.insert(ChildRef {
+                kind: ChildKind::Service,
+                name: service.clone(),
+            });
+        }
+    }
+
+    apply.extend(
+        group_services
+            .into_iter()
+            .map(|s| Child::Service(Box::new(s))),
+    );
+    apply.push(Child::Service(Box::new(client_service(
+        ctx,
+        &current_release_service,
+        false,
+    ))));
+    apply.push(Child::Service(Box::new(client_service(
+        ctx,
+        &current_release_service,
+        true,
+    ))));
+    apply.push(Child::PodDisruptionBudget(Box::new(pdb(
+        ctx,
+        capacity.healthy_needed,
+    ))));
+
+    // Status.
+    let needed = capacity.healthy_needed;
+    let mut computed = vec![Computed::new(
+        condition::READY,
+        ready_groups >= needed && ready_groups > 0,
+        if ready_groups >= needed && ready_groups > 0 {
+            "EnoughGroupsReady"
+        } else {
+            "NotEnoughGroupsReady"
+        },
+        format!("{ready_groups} of {desired} groups ready; {needed} needed to carry peak demand"),
+    )];
+    let scaling_in = observed.pods.iter().any(|p| p.group >= desired);
+    computed.push(if busy > 0 || scaling_in {
+        Computed::new(
+            condition::PROGRESSING,
+            true,
+            if scaling_in {
+                "ScalingIn"
+            } else {
+                "GroupsStarting"
+            },
+            format!(
+                "{busy} of {desired} groups not ready yet{}",
+                if scaling_in {
+                    "; draining groups beyond the desired count"
+                } else {
+                    ""
+                }
+            ),
+        )
+    } else {
+        Computed::new(
+            condition::PROGRESSING,
+            false,
+            "Stable",
+            format!("all {desired} groups ready"),
+        )
+    });
+    computed.push(if !held.is_empty() {
+        Computed::new(
+            condition::DEGRADED,
+            true,
+            "GroupsHeld",
+            format!(
+                "held after {MAX_GROUP_RESTARTS} restarts and counted as lost capacity: {}",
+                held.join(", ")
+            ),
+        )
+    } else if !broken.is_empty() {
+        Computed::new(
+            condition::DEGRADED,
+            true,
+            "GroupsRestarting",
+            broken.join(", "),
+        )
+    } else {
+        Computed::new(condition::DEGRADED, false, "Healthy", "no group is failing")
+    });
+    computed.push(fault_tolerance(&groups_per_domain, capacity, domain_key));
+
+    for new in &computed {
+        let change = conditions::change(&previous.conditions, new);
+        if let Some(event) = condition_event(new, change) {
+            events.push(event);
+        }
+    }
+    if previous.replicas.desired != i32::try_from(desired).unwrap_or(i32::MAX) {
+        events.insert(
+            0,
+            PlannedEvent {
+                type_: EventType::Normal,
+                reason: "Scaled",
+                note: format!(
+                    "desired groups {} → {desired} (peak demand needs {needed}, fault tolerance {})",
+                    previous.replicas.desired, capacity.fault_tolerant_target
+                ),
+            },
+        );
+    }
+
+    let count = |n: u32| i32::try_from(n).unwrap_or(i32::MAX);
+    let status = InferenceServiceStatus {
+        observed_generation: Some(generation),
+        conditions: conditions::merge(&previous.conditions, &computed, generation, now),
+        replicas: ReplicaCounts {
+            desired: count(desired),
+            healthy_needed: count(needed),
+            ready: count(ready_groups),
+            serving: count(serving_groups),
+            updated: count(updated_groups),
+        },
+        stable_release: if updated_groups >= needed && updated_groups > 0 {
+            Some(ctx.release.to_owned())
+        } else {
+            previous.stable_release.clone()
+        },
+        ..previous.clone()
+    };
+    Plan {
+        apply,
+        delete: delete.into_iter().collect(),
+        status,
+        events,
+        requeue_after: requeue,
+        invalid: None,
+    }
+}
+
+/// `FaultTolerant` from where ready groups run.
+fn fault_tolerance(
+    groups_per_domain: &BTreeMap<String, u32>,
+    capacity: &CapacityPlan,
+    key: &str,
+) -> Computed {
+    let report = worst_domain_loss(groups_per_domain, capacity.healthy_needed);
+    let Some(worst) = report.worst_domain.as_deref() else {
+        return Computed::new(
+            condition::FAULT_TOLERANT,
+            false,
+            "NoGroupsReady",
+            "no group is ready, so none can survive a domain loss",
+        );
+    };
+    let placed = report.groups_lost + report.groups_left;
+    let summary = format!(
+        "losing {key}={worst} ({} of {placed} ready groups) leaves {}, {} needed",
+        report.groups_lost, report.groups_left, capacity.healthy_needed
+    );
+    if report.tolerant {
+        Computed::new(
+            condition::FAULT_TOLERANT,
+            true,
+            "SurvivesWorstDomainLoss",
+            summary,
+        )
+    } else if capacity.capped {
+        // The cap, not the placement, is the cause: say so first.
+        Computed::new(
+            condition::FAULT_TOLERANT,
+            false,
+            "CappedByMaxReplicas",
+            format!(
+                "maxReplicas {} is below the {} groups fault tolerance needs; {summary}",
+                capacity.provisioned, capacity.fault_tolerant_target
+            ),
+        )
+    } else {
+        Computed::new(
+            condition::FAULT_TOLERANT,
+            false,
+            "WorstDomainLossTooLarge",
+            format!("{summary}: {} short", report.shortfall),
+        )
+    }
+}
+
+/// The event a condition change deserves, if any.
+fn condition_event(new: &Computed, change: Change) -> Option<PlannedEvent> {
+    let event = |type_, reason| {
+        Some(PlannedEvent {
+            type_,
+            reason,
+            note: new.message.clone(),
+        })
+    };
+    match (new.type_, new.status, change) {
+        (_, _, Change::Unchanged) => None,
+        (condition::READY, true, Change::New | Change::Flipped) => {
+            event(EventType::Normal, "Ready")
+        }
+        (condition::READY, false, Change::Flipped) => event(EventType::Warning, "NotReady"),
+        (condition::FAULT_TOLERANT, false, Change::Flipped) => {
+            event(EventType::Warning, "DomainLossNotSurvivable")
+        }
+        (condition::FAULT_TOLERANT, true, Change::Flipped) => {
+            event(EventType::Normal, "DomainLossSurvivable")
+        }
+        // The message names the held groups, so a newly held group is a change too.
+        (condition::DEGRADED, true, _) if new.reason == "GroupsHeld" => {
+            event(EventType::Warning, "GroupHeld")
+        }
+        _ => None,
+    }
+}
+
+fn invalid(previous: &InferenceServiceStatus, generation: i64, now: &Time, reason: String) -> Plan {
+    let computed = Computed::new(condition::READY, false, "InvalidSpec", reason.clone());
+    let events = match conditions::change(&previous.conditions, &computed) {
+        Change::Unchanged => Vec::new(),
+        _ => vec![PlannedEvent {
+            type_: EventType::Warning,
+            reason: "InvalidSpec",
+            note: reason.clone(),
+        }],
+    };
+    Plan {
+        apply: Vec::new(),
+        delete: Vec::new(),
+        status: InferenceServiceStatus {
+            observed_generation: Some(generation),
+            conditions: conditions::merge(&previous.conditions, &[computed], generation, now),
+            ..previous.clone()
+        },
+        events,
+        requeue_after: None,
+        invalid: Some(reason),
+    }
+}
+
+/// Backoff before the recreation that follows `restarts` earlier ones: none for the
+/// first (a single failure is recreated at once), then 10 s doubling, capped at 5 min.
+pub fn backoff(restarts: u32) -> Duration {
+    match restarts {
+        0 => Duration::ZERO,
+        n => RESTART_BACKOFF_BASE
+            .saturating_mul(1u32.checked_shl(n - 1).unwrap_or(u32::MAX))
+            .min(RESTART_BACKOFF_MAX),
+    }
+}
+
+/// Time from `then` to `now`; `then` unset is "long ago".
+fn since(then: Option<&Time>, now: &Time) -> Duration {
+    match then {
+        None => Duration::MAX,
+        Some(then) => {
+            let elapsed: SignedDuration = now.0.duration_since(then.0);
+            Duration::from_secs(u64::try_from(elapsed.as_secs()).unwrap_or(0))
+        }
+    }
+}
+
+fn meta(ctx: &Context<'_>, name: String, labels: BTreeMap<String, String>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(ctx.namespace.to_owned()),
+        labels: Some(labels),
+        owner_references: Some(vec![ctx.owner.clone()]),
+        ..ObjectMeta::default()
+    }
+}
+
+fn http_port() -> Vec<ServicePort> {
+    vec![ServicePort {
+        name: Some("http".to_owned()),
+        port: 80,
+        target_port: Some(IntOrString::String("http".to_owned())),
+        protocol: Some("TCP".to_owned()),
+        ..ServicePort::default()
+    }]
+}
+
+/// The headless Service of a group: DNS for its pods, home of its restart record.
+fn group_service(ctx: &Context<'_>, record: &GroupRecord) -> Service {
+    let mut service_labels = labels::instance_selector(ctx.name);
+    service_labels.insert(labels::GROUP.to_owned(), record.group.to_string());
+    let mut metadata = meta(
+        ctx,
+        labels::group_service(ctx.name, record.group),
+        service_labels,
+    );
+    let mut annotations =
+        BTreeMap::from([(labels::RESTARTS.to_owned(), record.restarts.to_string())]);
+    if let Some(time) = &record.last_restart {
+        annotations.insert(labels::LAST_RESTART.to_owned(), time.0.to_string());
+    }
+    metadata.annotations = Some(annotations);
+    Service {
+        metadata,
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".to_owned()),
+            selector: Some(labels::group_selector(ctx.name, record.group)),
+            // Workers resolve their leader before anyone is ready.
+            publish_not_ready_addresses: Some(true),
+            ports: Some(http_port()),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The client Service (all engine pods) or the current release's Service.
+fn client_service(ctx: &Context<'_>, release_name: &str, per_release: bool) -> Service {
+    let mut selector = labels::engine_selector(ctx.name);
+    let mut service_labels = labels::instance_selector(ctx.name);
+    let name = if per_release {
+        selector.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());
+        service_labels.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());
+        release_name.to_owned()
+    } else {
+        labels::client_service(ctx.name)
+    };
+    Service {
+        metadata: meta(ctx, name, service_labels),
+        spec: Some(ServiceSpec {
+            selector: Some(selector),
+            ports: Some(http_port()),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// Keeps the pods of `N_healthy` groups up through voluntary disruptions.
+fn pdb(ctx: &Context<'_>, healthy_needed: u32) -> PodDisruptionBudget {
+    let pods = healthy_needed.saturating_mul(ctx.shape.world_size());
+    PodDisruptionBudget {
+        metadata: meta(
+            ctx,
+            labels::client_service(ctx.name),
+            labels::instance_selector(ctx.name),
+        ),
+        spec: Some(PodDisruptionBudgetSpec {
+            min_available: Some(IntOrString::Int(i32::try_from(pods).unwrap_or(i32::MAX))),
+            selector: Some(LabelSelector {
+                match_labels: Some(labels::engine_selector(ctx.name)),
+                ..LabelSelector::default()
+            }),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        status: None,
+    }
+}

@@ -1,0 +1,383 @@
+//! The thin I/O around [`plan()`]: observe → plan → apply → delete → status → events.
+//!
+//! Invariants: every write uses the one field manager [`labels::FIELD_MANAGER`]; the
+//! InferenceService is only written through its status subresource, and only when the
+//! status changed; events come from the plan, which emits them on transitions only, so
+//! a no-op reconcile writes nothing at all. An invalid spec waits for a change; an API
+//! error is retried after a bounded delay.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use slipway_api::InferenceService;
+use tracing::{info, warn};
+
+use crate::error::Error;
+use crate::labels;
+use crate::metrics::Metrics;
+use crate::observed::{self, Observed};
+use crate::plan::{self, Child, ChildKind, EventType as PlannedType, Plan};
+
+/// Resync period: look again even when nothing changed, in case a watch missed it.
+pub const RESYNC: Duration = Duration::from_secs(300);
+/// Delay before retrying after an API error (transient by assumption; bounded).
+pub const ERROR_REQUEUE: Duration = Duration::from_secs(10);
+
+/// Shared by every reconcile.
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Context {
+    pub fn new(client: Client, identity: &str, metrics: Arc<Metrics>) -> Self {
+        let reporter = Reporter {
+            controller: labels::FIELD_MANAGER.to_owned(),
+            instance: Some(identity.to_owned()),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+        }
+    }
+}
+
+/// The namespaced or cluster-wide API for `K`.
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(namespace) => Api::namespaced(client.clone(), namespace),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Runs the controller until `shutdown` resolves; watches one namespace when
+/// `namespace` is set, else all.
+pub async fn run(
+    ctx: Arc<Context>,
+    namespace: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = ctx.client.clone();
+    let namespace = namespace.as_deref();
+    let owned = || {
+        watcher::Config::default().labels(&format!(
+            "{}={}",
+            labels::MANAGED_BY,
+            labels::FIELD_MANAGER
+        ))
+    };
+    Controller::new(
+        scoped::<InferenceService>(&client, namespace),
+        watcher::Config::default(),
+    )
+    .owns(scoped::<Pod>(&client, namespace), owned())
+    .owns(scoped::<Service>(&client, namespace), owned())
+    .owns(scoped::<PodDisruptionBudget>(&client, namespace), owned())
+    // Endpoint changes move `serving`. The endpoint-slice controller copies a
+    // Service's labels onto its slices, so ours carry the instance label.
+    .watches(
+        scoped::<EndpointSlice>(&client, namespace),
+        owned(),
+        |slice| {
+            let namespace = slice.namespace();
+            slice.labels().get(labels::INSTANCE).map(|instance| {
+                let object = ObjectRef::new(instance);
+                match namespace {
+                    Some(namespace) => object.within(&namespace),
+                    None => object,
+                }
+            })
+        },
+    )
+    .graceful_shutdown_on(shutdown)
+    .run(reconcile, error_policy, ctx)
+    .for_each(|result| async move {
+        if let Err(error) = result {
+            warn!(%error, "reconcile loop error");
+        }
+    })
+    .await;
+}
+
+/// One reconcile of one InferenceService.
+///
+/// # Errors
+/// [`Error`] from the stage that failed; the controller retries after [`ERROR_REQUEUE`].
+pub async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_inner(&isvc, &ctx).await;
+    ctx.metrics.observe_reconcile(
+        started.elapsed(),
+        result.as_ref().err().map(Error::category),
+    );
+    result
+}
+
+async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Action, Error> {
+    if isvc.metadata.deletion_timestamp.is_some() {
+        // Owner references let the garbage collector take the children.
+        return Ok(Action::await_change());
+    }
+    let namespace = isvc
+        .namespace()
+        .ok_or(Error::MissingMetadata("namespace"))?;
+    let name = isvc.name_any();
+    let observed = observe(&ctx.client, &namespace, &name).await?;
+    // Whole seconds: what the API server stores, so an unchanged status compares equal.
+    let now =
+        Time(Timestamp::from_second(Timestamp::now().as_second()).unwrap_or(Timestamp::UNIX_EPOCH));
+    let plan = plan::plan(isvc, &observed, &now);
+
+    apply(&ctx.client, &namespace, &plan).await?;
+    delete(&ctx.client, &namespace, &plan).await?;
+    if isvc.status.as_ref() != Some(&plan.status) {
+        publish_status(&ctx.client, &namespace, &name, &plan).await?;
+    }
+    let reference = isvc.object_ref(&());
+    for event in &plan.events {
+        let published = ctx
+            .recorder
+            .publish(
+                &Event {
+                    type_: match event.type_ {
+                        PlannedType::Normal => EventType::Normal,
+                        PlannedType::Warning => EventType::Warning,
+                    },
+                    reason: event.reason.to_owned(),
+                    note: Some(event.note.clone()),
+                    action: "Reconcile".to_owned(),
+                    secondary: None,
+                },
+                &reference,
+            )
+            .await;
+        // An event that cannot be recorded must not fail the reconcile that did the work.
+        if let Err(error) = published {
+            warn!(%error, %name, %namespace, reason = event.reason, "could not record event");
+        }
+    }
+    if !plan.apply.is_empty() || !plan.delete.is_empty() || !plan.events.is_empty() {
+        info!(
+            %name,
+            %namespace,
+            desired = plan.status.replicas.desired,
+            ready = plan.status.replicas.ready,
+            deleted = plan.delete.len(),
+            events = plan.events.len(),
+            "reconciled"
+        );
+    }
+    Ok(match (&plan.invalid, plan.requeue_after) {
+        (Some(reason), _) => {
+            warn!(%name, %namespace, %reason, "invalid spec; waiting for a change");
+            Action::await_change()
+        }
+        (None, Some(after)) => Action::requeue(after.min(RESYNC)),
+        (None, None) => Action::requeue(RESYNC),
+    })
+}
+
+fn error_policy(isvc: Arc<InferenceService>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(%error, category = error.category(), name = %isvc.name_any(), "reconcile failed; retrying");
+    Action::requeue(ERROR_REQUEUE)
+}
+
+/// Reads the children, nodes and endpoints of one InferenceService.
+///
+/// # Errors
+/// [`Error::Observe`] when a list fails.
+pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Observed, Error> {
+    let selector = ListParams::default().labels(&labels::instance_selector_string(name));
+    let pods = Api::<Pod>::namespaced(client.clone(), namespace)
+        .list(&selector)
+        .await
+        .map_err(|source| Error::Observe {
+            what: "pods",
+            source,
+        })?;
+    let services = Api::<Service>::namespaced(client.clone(), namespace)
+        .list(&selector)
+        .await
+        .map_err(|source| Error::Observe {
+            what: "services",
+            source,
+        })?;
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|source| Error::Observe {
+            what: "nodes",
+            source,
+        })?;
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default().labels(&format!(
+            "kubernetes.io/service-name={}",
+            labels::client_service(name)
+        )))
+        .await
+        .map_err(|source| Error::Observe {
+            what: "endpointslices",
+            source,
+        })?;
+
+    let mut observed = Observed::default();
+    for pod in &pods.items {
+        match observed::pod_from(pod) {
+            Some(pod) => observed.pods.push(pod),
+            None => observed.unparsed_pods.push(pod.name_any()),
+        }
+    }
+    for service in &services.items {
+        let service_labels = service.labels();
+        if let Some(record) = observed::group_from(service) {
+            observed.groups.push(record);
+        } else if service_labels.contains_key(labels::RELEASE) {
+            observed.release_services.insert(service.name_any());
+        }
+    }
+    observed.nodes = nodes
+        .items
+        .iter()
+        .map(|node| (node.name_any(), observed::node_from(node)))
+        .collect();
+    observed.serving_pods = slices
+        .items
+        .iter()
+        .flat_map(|slice| slice.endpoints.iter().flatten())
+        .filter(|endpoint| {
+            endpoint
+                .conditions
+                .as_ref()
+                .and_then(|c| c.ready)
+                .unwrap_or(false)
+        })
+        .filter_map(|endpoint| endpoint.target_ref.as_ref()?.name.clone())
+        .collect();
+    Ok(observed)
+}
+
+async fn apply_one<K>(
+    client: &Client,
+    namespace: &str,
+    kind: &'static str,
+    object: &K,
+) -> Result<(), Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+{
+    let name = object.meta().name.clone().unwrap_or_default();
+    Api::<K>::namespaced(client.clone(), namespace)
+        .patch(
+            &name,
+            &PatchParams::apply(labels::FIELD_MANAGER).force(),
+            &Patch::Apply(object),
+        )
+        .await
+        .map_err(|source| Error::Apply { kind, name, source })?;
+    Ok(())
+}
+
+/// Server-side applies every object of the plan, in order.
+async fn apply(client: &Client, namespace: &str, plan: &Plan) -> Result<(), Error> {
+    for child in &plan.apply {
+        match child {
+            Child::Pod(pod) => apply_one(client, namespace, "Pod", pod.as_ref()).await?,
+            Child::Service(service) => {
+                apply_one(client, namespace, "Service", service.as_ref()).await?
+            }
+            Child::PodDisruptionBudget(pdb) => {
+                apply_one(client, namespace, "PodDisruptionBudget", pdb.as_ref()).await?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Deletes what the plan drops; already gone is fine.
+async fn delete(client: &Client, namespace: &str, plan: &Plan) -> Result<(), Error> {
+    for child in &plan.delete {
+        let params = DeleteParams::default();
+        let (kind, result) = match child.kind {
+            ChildKind::Pod => (
+                "Pod",
+                Api::<Pod>::namespaced(client.clone(), namespace)
+                    .delete(&child.name, &params)
+                    .await
+                    .map(|_| ()),
+            ),
+            ChildKind::Service => (
+                "Service",
+                Api::<Service>::namespaced(client.clone(), namespace)
+                    .delete(&child.name, &params)
+                    .await
+                    .map(|_| ()),
+            ),
+            ChildKind::PodDisruptionBudget => (
+                "PodDisruptionBudget",
+                Api::<PodDisruptionBudget>::namespaced(client.clone(), namespace)
+                    .delete(&child.name, &params)
+                    .await
+                    .map(|_| ()),
+            ),
+        };
+        match result {
+            Ok(()) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Delete {
+                    kind,
+                    name: child.name.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes the status subresource, never the spec.
+async fn publish_status(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    plan: &Plan,
+) -> Result<(), Error> {
+    let patch = serde_json::json!({
+        "apiVersion": InferenceService::api_version(&()),
+        "kind": InferenceService::kind(&()),
+        "status": plan.status,
+    });
+    Api::<InferenceService>::namespaced(client.clone(), namespace)
+        .patch_status(
+            name,
+            &PatchParams::apply(labels::FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(Error::Status)?;
+    Ok(())
+}
