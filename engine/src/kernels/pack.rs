@@ -53,9 +53,21 @@ pub struct PackedMatrix {
     rows: usize,
     cols: usize,
     kind: PackedKind,
-    storage: Vec<u8>,
+    storage: Storage,
     offset: usize,
+    len: usize,
 }
+
+/// Where packed bytes live: large matrices in an anonymous mapping advised to use
+/// huge pages (decode streams every weight once per step, and 4 KiB pages cost a
+/// TLB miss every 64 cache lines), small ones on the heap.
+#[derive(Debug)]
+enum Storage {
+    Heap(Vec<u8>),
+    Mapped(memmap2::MmapMut),
+}
+
+const HUGE: usize = 2 << 20;
 
 /// A slice of rows in ggml layout that becomes part of a packed matrix.
 #[derive(Clone, Copy, Debug)]
@@ -131,14 +143,30 @@ impl PackedMatrix {
     fn zeroed(rows: usize, cols: usize, kind: PackedKind) -> Self {
         let groups = rows.div_ceil(GROUP);
         let len = groups * (cols / QK) * (SCALE_BYTES + kind.quant_bytes());
+        if len >= HUGE
+            && let Ok(map) = memmap2::MmapMut::map_anon(len)
+        {
+            // Only a hint: without transparent huge pages the mapping still works.
+            #[cfg(target_os = "linux")]
+            let _ = map.advise(memmap2::Advice::HugePage);
+            return Self {
+                rows,
+                cols,
+                kind,
+                storage: Storage::Mapped(map),
+                offset: 0,
+                len,
+            };
+        }
         let storage = vec![0u8; len + ALIGN];
         let offset = storage.as_ptr().align_offset(ALIGN).min(ALIGN);
         Self {
             rows,
             cols,
             kind,
-            storage,
+            storage: Storage::Heap(storage),
             offset,
+            len,
         }
     }
 
@@ -218,13 +246,17 @@ impl PackedMatrix {
     /// 64-byte aligned.
     #[must_use]
     pub fn data(&self) -> &[u8] {
-        let len = self.storage.len() - ALIGN;
-        &self.storage[self.offset..self.offset + len]
+        match &self.storage {
+            Storage::Heap(v) => &v[self.offset..self.offset + self.len],
+            Storage::Mapped(m) => &m[..self.len],
+        }
     }
 
     fn data_mut(&mut self) -> &mut [u8] {
-        let len = self.storage.len() - ALIGN;
-        &mut self.storage[self.offset..self.offset + len]
+        match &mut self.storage {
+            Storage::Heap(v) => &mut v[self.offset..self.offset + self.len],
+            Storage::Mapped(m) => &mut m[..self.len],
+        }
     }
 
     /// Bytes of one group (all its blocks).
