@@ -95,6 +95,85 @@ async fn sweep_writes_summary_records_plot_and_capacity_note() {
         records.lines().count() as u64,
         points[1]["summary"]["counts"]["offered"].as_u64().unwrap()
     );
+
+    // `compare` of a sweep with itself: every ratio is 1 and the combined plot is written.
+    let sweep_json = out.join("sweep.json");
+    let stem = dir.path().join("cmp");
+    let cmp = Command::new(bin)
+        .args([
+            "compare",
+            sweep_json.to_str().unwrap(),
+            sweep_json.to_str().unwrap(),
+            "--plot",
+            stem.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&cmp.stdout);
+    assert!(cmp.status.success(), "{text}");
+    assert!(
+        text.contains("goodput frontier") && text.contains("1.00×"),
+        "{text}"
+    );
+    assert!(dir.path().join("cmp.png").exists() && dir.path().join("cmp.svg").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_replays_a_trace_and_accounts_for_every_line() {
+    let url = start(Behaviour {
+        ttft: Duration::from_millis(20),
+        tpot: Duration::from_millis(5),
+        reject_every: Some(3),
+        ..Behaviour::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.jsonl");
+    // Synthetic prompts are tagged with their line number, so the fake server rejects
+    // line 1 (tag 1 % 3 == 1); ids follow sorted arrival: line 1, line 2, line 0.
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0.3, \"promptTokens\": 20, \"outputTokens\": 3}\n\
+         {\"timestamp\": 0.1, \"promptTokens\": 20, \"outputTokens\": 2, \"tenant\": \"a\"}\n\
+         {\"arrivalMs\": 200, \"prompt\": \"Request 5: hello\", \"outputTokens\": 2}\n",
+    )
+    .unwrap();
+    let out = dir.path().join("run");
+    let args = [
+        "run",
+        "--url",
+        &url,
+        "--trace",
+        trace.to_str().unwrap(),
+        "--warmup",
+        "0",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from);
+    let bin = env!("CARGO_BIN_EXE_slipway-bench");
+    let result = tokio::task::spawn_blocking(move || Command::new(bin).args(args).output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        result.status.success(),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(out.join("records.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let outcomes: Vec<&str> = recs
+        .iter()
+        .map(|r| r["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(outcomes, ["rejected", "completed", "completed"]);
+    assert_eq!(recs[0]["tenant"], "a");
+    assert_eq!(recs[2]["serverOutputTokens"], 3);
 }
 
 #[test]
