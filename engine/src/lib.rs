@@ -11,6 +11,7 @@ pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod serving;
 pub mod template;
 pub mod testing;
 pub mod tokenizer;
