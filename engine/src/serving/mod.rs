@@ -6,4 +6,5 @@
 //! plain test.
 
 pub mod block_manager;
+pub mod engine;
 pub mod scheduler;

@@ -1,0 +1,415 @@
+//! The engine actor: one tokio task owns the [`Scheduler`], the [`ModelRunner`] and
+//! (through the scheduler) the block tables. Callers hold a cloneable
+//! [`EngineHandle`] that sends commands over a bounded channel; each request gets
+//! its own stream of [`Event`]s back.
+//!
+//! Ordering of one loop turn: take every pending command (submits, cancels), drop
+//! requests whose receiver is gone (a disconnected client frees its KV here, before
+//! the next step), schedule, run the forward step on a blocking thread (so the
+//! runtime keeps serving HTTP meanwhile), sample, update, send events.
+//!
+//! Shutdown: when every handle is dropped the command channel closes and the actor
+//! ends every request with [`Event::Error`] and returns the runner. A send to a
+//! closed actor is reported as [`EngineError::Closed`], never a panic.
+
+use std::collections::HashMap;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::block_manager::CacheKey;
+use super::scheduler::{
+    AddError, FinishReason, ModelOutput, RequestId, SchedRequest, Scheduler, SchedulerConfig,
+};
+use crate::backend::ModelRunner;
+use crate::sampling::{Sampler, SamplingParams};
+
+/// A model runner the actor can move to a blocking thread.
+pub type BoxedRunner = Box<dyn ModelRunner + Send>;
+
+/// Settings of the actor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Scheduler and KV pool.
+    pub scheduler: SchedulerConfig,
+    /// Capacity of the command channel (back-pressure on submitters).
+    pub command_capacity: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            scheduler: SchedulerConfig::default(),
+            command_capacity: 1024,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        self.scheduler.validate()?;
+        if self.command_capacity == 0 {
+            return Err("command_capacity must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// What to generate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// End-of-generation tokens.
+    pub eos: Vec<u32>,
+    /// Prefix-cache separation.
+    pub cache_key: CacheKey,
+}
+
+/// One event of a request's stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A generated token.
+    Token(u32),
+    /// The request ended; no more events follow.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: usize,
+    },
+    /// The request failed (rejected, engine error, or shutdown); no more events follow.
+    Error(String),
+}
+
+/// Errors of the handle.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The actor has stopped.
+    #[error("the engine has shut down")]
+    Closed,
+    /// The request could never run.
+    #[error(transparent)]
+    Rejected(#[from] AddError),
+}
+
+/// A snapshot of the engine's state, for metrics and admission.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    /// Requests running.
+    pub running: usize,
+    /// Requests waiting.
+    pub waiting: usize,
+    /// Fraction of KV blocks in use.
+    pub kv_usage: f64,
+    /// Free KV blocks.
+    pub free_blocks: usize,
+    /// Prefix-cache tokens queried.
+    pub prefix_queries: u64,
+    /// Prefix-cache tokens hit.
+    pub prefix_hits: u64,
+}
+
+enum Command {
+    Submit {
+        id: RequestId,
+        req: GenerateRequest,
+        events: mpsc::UnboundedSender<Event>,
+        accepted: oneshot::Sender<Result<(), AddError>>,
+    },
+    Cancel(RequestId),
+    Stats(oneshot::Sender<EngineStats>),
+}
+
+/// A cloneable handle to the actor.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    next_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A submitted request: its id and its event stream. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    /// The request's id in the engine.
+    pub id: RequestId,
+    /// Its events.
+    pub events: mpsc::UnboundedReceiver<Event>,
+}
+
+impl EngineHandle {
+    /// Queues a request; returns its stream once the engine accepted it.
+    ///
+    /// # Errors
+    /// [`EngineError::Rejected`] if it could never run, [`EngineError::Closed`]
+    /// after shutdown.
+    pub async fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (accepted, accepted_rx) = oneshot::channel();
+        self.tx
+            .send(Command::Submit {
+                id,
+                req,
+                events: events_tx,
+                accepted,
+            })
+            .await
+            .map_err(|_| EngineError::Closed)?;
+        accepted_rx.await.map_err(|_| EngineError::Closed)??;
+        Ok(RequestStream { id, events })
+    }
+
+    /// Cancels a request (its blocks are freed before the next step).
+    ///
+    /// # Errors
+    /// [`EngineError::Closed`] after shutdown.
+    pub async fn cancel(&self, id: RequestId) -> Result<(), EngineError> {
+        self.tx
+            .send(Command::Cancel(id))
+            .await
+            .map_err(|_| EngineError::Closed)
+    }
+
+    /// The engine's current state.
+    ///
+    /// # Errors
+    /// [`EngineError::Closed`] after shutdown.
+    pub async fn stats(&self) -> Result<EngineStats, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Stats(tx))
+            .await
+            .map_err(|_| EngineError::Closed)?;
+        rx.await.map_err(|_| EngineError::Closed)
+    }
+}
+
+struct Active {
+    events: mpsc::UnboundedSender<Event>,
+    sampler: Sampler,
+    history: Vec<u32>,
+    prompt_tokens: usize,
+    generated: usize,
+}
+
+/// Starts the actor on the current tokio runtime.
+///
+/// # Errors
+/// An invalid config.
+pub fn spawn(
+    runner: BoxedRunner,
+    config: EngineConfig,
+) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), String> {
+    config.validate()?;
+    let scheduler = Scheduler::new(config.scheduler.clone())?;
+    let (tx, rx) = mpsc::channel(config.command_capacity);
+    let task = tokio::spawn(run(runner, scheduler, rx));
+    Ok((
+        EngineHandle {
+            tx,
+            next_id: std::sync::Arc::new(std::sync::atomic::AtomicU64::new(1)),
+        },
+        task,
+    ))
+}
+
+fn stats_of(s: &Scheduler) -> EngineStats {
+    let b = s.blocks();
+    let p = b.prefix_stats();
+    EngineStats {
+        running: s.num_running(),
+        waiting: s.num_waiting(),
+        kv_usage: b.usage(),
+        free_blocks: b.num_free(),
+        prefix_queries: p.queries,
+        prefix_hits: p.hits,
+    }
+}
+
+fn handle(cmd: Command, s: &mut Scheduler, active: &mut HashMap<RequestId, Active>) {
+    match cmd {
+        Command::Submit {
+            id,
+            req,
+            events,
+            accepted,
+        } => {
+            let added = s.add(SchedRequest {
+                id,
+                prompt: req.prompt.clone(),
+                max_tokens: req.max_tokens,
+                eos: req.eos,
+                cache_key: req.cache_key,
+            });
+            if added.is_ok() {
+                active.insert(
+                    id,
+                    Active {
+                        events,
+                        sampler: Sampler::new(req.sampling),
+                        prompt_tokens: req.prompt.len(),
+                        history: req.prompt,
+                        generated: 0,
+                    },
+                );
+            }
+            // The submitter may have gone away meanwhile; the next turn notices.
+            let _ = accepted.send(added);
+        }
+        Command::Cancel(id) => {
+            s.finish(id);
+            if let Some(a) = active.remove(&id) {
+                let _ = a.events.send(finished(&a, FinishReason::Cancelled, 0));
+            }
+        }
+        Command::Stats(reply) => {
+            // Streams dropped before this command are gone in the answer.
+            reap(s, active);
+            let _ = reply.send(stats_of(s));
+        }
+    }
+}
+
+/// Ends the requests whose client dropped its stream, freeing their blocks.
+fn reap(s: &mut Scheduler, active: &mut HashMap<RequestId, Active>) {
+    let gone: Vec<RequestId> = active
+        .iter()
+        .filter(|(_, a)| a.events.is_closed())
+        .map(|(&id, _)| id)
+        .collect();
+    for id in gone {
+        tracing::debug!(request = id, "client went away; request cancelled");
+        s.finish(id);
+        active.remove(&id);
+    }
+}
+
+fn finished(a: &Active, reason: FinishReason, cached_tokens: usize) -> Event {
+    Event::Finished {
+        reason,
+        prompt_tokens: a.prompt_tokens,
+        completion_tokens: a.generated,
+        cached_tokens,
+    }
+}
+
+async fn run(
+    mut runner: BoxedRunner,
+    mut s: Scheduler,
+    mut rx: mpsc::Receiver<Command>,
+) -> BoxedRunner {
+    let mut active: HashMap<RequestId, Active> = HashMap::new();
+    'outer: loop {
+        if s.is_idle() {
+            match rx.recv().await {
+                Some(cmd) => handle(cmd, &mut s, &mut active),
+                None => break 'outer,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => handle(cmd, &mut s, &mut active),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => break 'outer,
+            }
+        }
+        // Disconnected clients free their blocks before the next step.
+        reap(&mut s, &mut active);
+        let out = s.schedule();
+        if out.is_empty() {
+            // Nothing runnable (everything just finished or was cancelled): wait for
+            // the next command instead of spinning.
+            if !s.is_idle() {
+                match rx.recv().await {
+                    Some(cmd) => handle(cmd, &mut s, &mut active),
+                    None => break 'outer,
+                }
+            }
+            continue;
+        }
+        let batch = out.batch();
+        let joined = tokio::task::spawn_blocking(move || {
+            let r = runner.forward(&batch);
+            (runner, r)
+        })
+        .await;
+        let logits = match joined {
+            Ok((r, Ok(logits))) => {
+                runner = r;
+                logits
+            }
+            Ok((r, Err(error))) => {
+                runner = r;
+                tracing::error!(%error, "forward step failed; its requests are ended");
+                for seq in &out.seqs {
+                    s.finish(seq.id);
+                    if let Some(a) = active.remove(&seq.id) {
+                        let _ = a
+                            .events
+                            .send(Event::Error(format!("engine error: {error}")));
+                    }
+                }
+                continue;
+            }
+            Err(join) => {
+                // The runner panicked and is lost: nothing more can be served.
+                tracing::error!(error = %join, "forward step panicked; engine stops");
+                for (_, a) in active.drain() {
+                    let _ = a.events.send(Event::Error("engine failure".into()));
+                }
+                std::panic::resume_unwind(join.into_panic());
+            }
+        };
+        let sampled = out
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, seq)| {
+                let row = logits.last_of(i).filter(|_| seq.samples)?;
+                let a = active.get_mut(&seq.id)?;
+                Some(a.sampler.sample(row, &a.history))
+            })
+            .collect();
+        for o in s.update(&out, &ModelOutput { sampled }) {
+            let Some(a) = active.get_mut(&o.id) else {
+                continue;
+            };
+            let mut alive = true;
+            if let Some(t) = o.token {
+                a.history.push(t);
+                a.generated += 1;
+                alive = a.events.send(Event::Token(t)).is_ok();
+            }
+            if let Some(reason) = o.finished {
+                let _ = a.events.send(finished(a, reason, o.cached_tokens));
+                active.remove(&o.id);
+            } else if !alive {
+                s.finish(o.id);
+                active.remove(&o.id);
+            }
+        }
+    }
+    for (_, a) in active.drain() {
+        let _ = a.events.send(Event::Error("the engine shut down".into()));
+    }
+    s.finish_all();
+    runner
+}
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

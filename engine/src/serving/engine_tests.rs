@@ -1,0 +1,199 @@
+//! Actor tests with a fake runner whose logits depend on the whole context, read
+//! back through its own paged store (so a wrong block table changes the output).
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::backend::{BackendError, Batch, KvGeometry, Logits};
+use crate::model::llama::LlamaConfig;
+use crate::serving::block_manager::BlockManagerConfig;
+
+const VOCAB: usize = 64;
+const EOS: u32 = 1;
+
+struct FakeRunner {
+    config: LlamaConfig,
+    geometry: KvGeometry,
+    kv: HashMap<(u32, usize), u32>,
+}
+
+impl FakeRunner {
+    fn new(num_blocks: usize) -> Self {
+        Self {
+            config: LlamaConfig {
+                vocab: VOCAB,
+                ..LlamaConfig::default()
+            },
+            geometry: KvGeometry {
+                block_size: 4,
+                num_blocks,
+            },
+            kv: HashMap::new(),
+        }
+    }
+}
+
+impl ModelRunner for FakeRunner {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+        let bs = self.geometry.block_size;
+        let mut logits = Logits {
+            vocab: VOCAB,
+            ..Logits::default()
+        };
+        for seq in &batch.seqs {
+            for (i, &t) in seq.tokens.iter().enumerate() {
+                let p = seq.start_pos + i;
+                let b = *seq
+                    .block_table
+                    .get(p / bs)
+                    .ok_or_else(|| BackendError::InvalidBatch("short block table".into()))?;
+                self.kv.insert((b, p % bs), t);
+            }
+            let start = logits.data.len() / VOCAB;
+            if seq.logits != crate::backend::LogitsWanted::None {
+                let end = seq.start_pos + seq.tokens.len();
+                let mut h: u64 = 1469598103934665603;
+                for p in 0..end {
+                    let t = self.kv[&(seq.block_table[p / bs], p % bs)];
+                    h = (h ^ u64::from(t)).wrapping_mul(1099511628211);
+                }
+                let mut row = vec![0f32; VOCAB];
+                row[2 + (h % (VOCAB as u64 - 2)) as usize] = 1.0;
+                logits.data.extend(row);
+            }
+            logits.spans.push(start..logits.data.len() / VOCAB);
+        }
+        Ok(logits)
+    }
+}
+
+fn config(num_blocks: usize, max_num_seqs: usize) -> EngineConfig {
+    EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs,
+            max_batched_tokens: 32,
+            max_model_len: 256,
+            blocks: BlockManagerConfig {
+                num_blocks,
+                block_size: 4,
+                enable_prefix_cache: true,
+            },
+        },
+        command_capacity: 16,
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        eos: vec![EOS],
+        cache_key: CacheKey::default(),
+    }
+}
+
+async fn collect(mut stream: RequestStream) -> (Vec<u32>, Event) {
+    let mut tokens = Vec::new();
+    while let Some(e) = stream.events.recv().await {
+        match e {
+            Event::Token(t) => tokens.push(t),
+            other => return (tokens, other),
+        }
+    }
+    panic!("stream ended without a final event");
+}
+
+async fn solo(prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
+    let (h, _task) = spawn(Box::new(FakeRunner::new(64)), config(64, 1)).expect("config");
+    let s = h
+        .submit(request(prompt, max_tokens))
+        .await
+        .expect("accepted");
+    collect(s).await.0
+}
+
+#[tokio::test]
+async fn concurrent_streams_equal_their_solo_results() {
+    // Few blocks, so preemption happens too.
+    let (h, _task) = spawn(Box::new(FakeRunner::new(24)), config(24, 6)).expect("config");
+    let prompts: Vec<Vec<u32>> = (0..12u32)
+        .map(|i| (0..(3 + i * 2)).map(|j| 2 + (i + j) % 7).collect())
+        .collect();
+    let mut streams = Vec::new();
+    for p in &prompts {
+        streams.push(h.submit(request(p.clone(), 16)).await.expect("accepted"));
+    }
+    let tasks: Vec<_> = streams
+        .into_iter()
+        .map(|s| tokio::spawn(collect(s)))
+        .collect();
+    for (p, task) in prompts.iter().zip(tasks) {
+        let (tokens, end) = task.await.expect("collector");
+        assert_eq!(tokens, solo(p.clone(), 16).await);
+        assert!(matches!(
+            end,
+            Event::Finished {
+                reason: FinishReason::Length,
+                completion_tokens: 16,
+                ..
+            }
+        ));
+    }
+    let st = h.stats().await.expect("running");
+    assert_eq!((st.running, st.waiting, st.free_blocks), (0, 0, 24));
+}
+
+#[tokio::test]
+async fn disconnect_and_cancel_free_blocks_at_once() {
+    let (h, _task) = spawn(Box::new(FakeRunner::new(64)), config(64, 8)).expect("config");
+    let mut dropped = h.submit(request(vec![2; 10], 200)).await.expect("accepted");
+    assert!(matches!(dropped.events.recv().await, Some(Event::Token(_))));
+    drop(dropped);
+    let mut cancelled = h.submit(request(vec![3; 10], 200)).await.expect("accepted");
+    assert!(matches!(
+        cancelled.events.recv().await,
+        Some(Event::Token(_))
+    ));
+    h.cancel(cancelled.id).await.expect("running");
+    let (_, end) = collect(cancelled).await;
+    assert!(matches!(
+        end,
+        Event::Finished {
+            reason: FinishReason::Cancelled,
+            ..
+        }
+    ));
+    // The stats command reaps streams dropped before it was sent.
+    let st = h.stats().await.expect("running");
+    assert_eq!((st.running, st.waiting), (0, 0));
+    assert_eq!(st.free_blocks, 64);
+}
+
+#[tokio::test]
+async fn rejects_and_shuts_down_cleanly() {
+    let (h, task) = spawn(Box::new(FakeRunner::new(8)), config(8, 8)).expect("config");
+    let err = h.submit(request(vec![2; 40], 10)).await.unwrap_err();
+    assert!(matches!(
+        err,
+        EngineError::Rejected(AddError::TooManyBlocks { .. })
+    ));
+    let err = h.submit(request(vec![], 10)).await.unwrap_err();
+    assert_eq!(err, EngineError::Rejected(AddError::EmptyPrompt));
+    let s = h.submit(request(vec![2; 4], 3)).await.expect("accepted");
+    let (tokens, _) = collect(s).await;
+    assert_eq!(tokens.len(), 3);
+    let h2 = h.clone();
+    drop(h);
+    drop(h2);
+    let runner = task.await.expect("actor ends without panicking");
+    assert_eq!(runner.kv_geometry().num_blocks, 8);
+}
