@@ -39,10 +39,13 @@ pub fn ensure_installed(cluster: &Cluster) -> Result<()> {
 fn install(cluster: &Cluster) -> Result<()> {
     let dir = manifests::crds_dir();
     let dir = dir.to_string_lossy();
+    // --force-conflicts: the checked-in CRD is what the tests are about, even on a
+    // reused cluster where someone applied another version by hand.
     cluster.kubectl(
         &[
             "apply",
             "--server-side",
+            "--force-conflicts",
             "--field-manager",
             crate::rbac::FIELD_MANAGER,
             "-f",
