@@ -128,7 +128,10 @@ impl LlamaConfig {
         if self.n_layers == 0 || self.dim == 0 || self.ffn_dim == 0 || self.vocab == 0 {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return bad(format!(
                 "{} heads cannot share {} KV heads",
                 self.n_heads, self.n_kv_heads
