@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
-use futures::{StreamExt, TryStreamExt as _};
+use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -139,7 +139,12 @@ fn build_operator() -> anyhow::Result<PathBuf> {
     if let Some(path) = BUILT.get() {
         return Ok(path.clone());
     }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    // The cargo that built this test (so the same toolchain and target directory);
+    // a bare `cargo` could resolve to another toolchain and rebuild everything.
+    let cargo = std::env::var("CARGO")
+        .ok()
+        .or_else(|| option_env!("CARGO").map(str::to_owned))
+        .unwrap_or_else(|| "cargo".to_owned());
     let output = Command::new(cargo)
         .current_dir(manifests::repo_root())
         .args([
@@ -170,7 +175,6 @@ fn build_operator() -> anyhow::Result<PathBuf> {
 /// An operator process; killed (SIGKILL) and reaped when dropped.
 struct Operator {
     child: Option<Child>,
-    identity: String,
     log: PathBuf,
 }
 
@@ -213,7 +217,6 @@ impl Operator {
             .context("starting slipway-operator")?;
         Ok(Self {
             child: Some(child),
-            identity: name.to_owned(),
             log,
         })
     }
