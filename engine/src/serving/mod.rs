@@ -7,4 +7,6 @@
 
 pub mod block_manager;
 pub mod engine;
+pub mod http;
 pub mod scheduler;
+pub mod text;

@@ -1,0 +1,345 @@
+//! Router tests on the real model through `tower::ServiceExt::oneshot`.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request as HttpRequest, StatusCode};
+use tower::ServiceExt;
+
+use super::*;
+use crate::backend::ModelRunner;
+use crate::backend::cpu::{CpuBackend, CpuConfig};
+use crate::model::gguf::GgufFile;
+use crate::model::llama::LlamaWeights;
+use crate::serving::block_manager::BlockManagerConfig;
+use crate::serving::engine::{EngineConfig, spawn};
+use crate::serving::scheduler::SchedulerConfig;
+use crate::testing::model_path;
+
+const MODEL: &str = "smollm2";
+
+fn state() -> Arc<AppState> {
+    let path = model_path();
+    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let weights = Arc::new(LlamaWeights::from_gguf(&file).expect("weights"));
+    let tokenizer = Tokenizer::from_metadata(file.metadata()).expect("tokenizer");
+    let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer).expect("template");
+    let runner = CpuBackend::new(
+        weights,
+        &CpuConfig {
+            num_blocks: 128,
+            ..CpuConfig::default()
+        },
+    )
+    .expect("backend");
+    let g = runner.kv_geometry();
+    let config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs: 8,
+            max_batched_tokens: 256,
+            max_model_len: 512,
+            blocks: BlockManagerConfig {
+                num_blocks: g.num_blocks,
+                block_size: g.block_size,
+                enable_prefix_cache: true,
+            },
+        },
+        command_capacity: 16,
+    };
+    let (engine, _task) = spawn(Box::new(runner), config).expect("config");
+    Arc::new(AppState::new(
+        engine,
+        Arc::new(tokenizer),
+        Some(template),
+        MODEL.into(),
+        "test".into(),
+        512,
+    ))
+}
+
+async fn send(
+    app: &Router,
+    method: &str,
+    uri: &str,
+    body: Body,
+    json: bool,
+) -> (StatusCode, String, Option<String>) {
+    let mut req = HttpRequest::builder().method(method).uri(uri);
+    if json {
+        req = req.header("content-type", "application/json");
+    }
+    let resp = app
+        .clone()
+        .oneshot(req.body(body).expect("request"))
+        .await
+        .expect("infallible");
+    let status = resp.status();
+    let rid = resp
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    (status, String::from_utf8_lossy(&bytes).into_owned(), rid)
+}
+
+async fn post(app: &Router, uri: &str, v: &Value) -> (StatusCode, Value) {
+    let (s, b, rid) = send(app, "POST", uri, Body::from(v.to_string()), true).await;
+    assert!(rid.is_some(), "no request id");
+    (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_chat_models_and_stop_strings() {
+    let app = router(state());
+    let (s, v) = post(
+        &app,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let text = v["choices"][0]["text"].as_str().expect("text").to_string();
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // A stop string from the middle of that text cuts it there.
+    let cut = text
+        .char_indices()
+        .nth(text.chars().count() / 2)
+        .map_or(0, |(i, _)| i);
+    let stop: String = text[cut..].chars().take(3).collect();
+    let (_, v2) = post(
+        &app,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "stop": [stop.clone()]}),
+    )
+    .await;
+    let want = &text[..text.find(&stop).expect("stop occurs")];
+    assert_eq!(v2["choices"][0]["text"], want);
+    assert_eq!(v2["choices"][0]["finish_reason"], "stop");
+
+    let (s, v) = post(
+        &app,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["choices"][0]["message"]["content"].is_string());
+
+    let (s, b, _) = send(&app, "GET", "/v1/models", Body::empty(), false).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(b.contains(MODEL));
+    assert_eq!(
+        send(&app, "GET", "/health", Body::empty(), false).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app, "GET", "/ready", Body::empty(), false).await.0,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_chat_sends_chunks_usage_and_done() {
+    let app = router(state());
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}],
+                      "max_tokens": 6, "temperature": 0, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (s, b, _) = send(
+        &app,
+        "POST",
+        "/v1/chat/completions",
+        Body::from(body.to_string()),
+        true,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let data: Vec<&str> = b.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("json chunk"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let last = chunks.last().expect("usage chunk");
+    assert_eq!(last["usage"]["completion_tokens"], 6);
+    assert!(
+        chunks
+            .iter()
+            .any(|c| c["choices"][0]["finish_reason"] == "length")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
+    let app = router(state());
+    let long = "word ".repeat(700);
+    let many_stops: Vec<String> = (0..100).map(|i| format!("s{i}")).collect();
+    let ok_chat = |extra: Value| {
+        let mut v = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+            o.extend(e.clone());
+        }
+        v
+    };
+    let cases: Vec<(&str, &str, Body)> = vec![
+        ("invalid JSON", "/v1/completions", Body::from("{not json")),
+        ("not an object", "/v1/completions", Body::from("[1,2]")),
+        (
+            "invalid UTF-8",
+            "/v1/completions",
+            Body::from(vec![b'{', 0xff, 0xfe, b'}']),
+        ),
+        (
+            "missing prompt",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL}).to_string()),
+        ),
+        (
+            "missing model",
+            "/v1/completions",
+            Body::from(json!({"prompt": "x"}).to_string()),
+        ),
+        (
+            "wrong type prompt",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": 5}).to_string()),
+        ),
+        (
+            "empty prompt",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": ""}).to_string()),
+        ),
+        (
+            "prompt over context",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": long}).to_string()),
+        ),
+        (
+            "max_tokens 0",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "max_tokens": 0}).to_string()),
+        ),
+        (
+            "max_tokens negative",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "max_tokens": -3}).to_string()),
+        ),
+        (
+            "max_tokens absurd",
+            "/v1/completions",
+            Body::from(
+                json!({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000_000i64}).to_string(),
+            ),
+        ),
+        (
+            "temperature negative",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "temperature": -1}).to_string()),
+        ),
+        (
+            "top_p zero",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "top_p": 0}).to_string()),
+        ),
+        (
+            "unknown model",
+            "/v1/completions",
+            Body::from(json!({"model": "gpt-9", "prompt": "x"}).to_string()),
+        ),
+        (
+            "n = 2",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "n": 2}).to_string()),
+        ),
+        (
+            "unknown field",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "best_of": 3}).to_string()),
+        ),
+        (
+            "huge stop list",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "stop": many_stops}).to_string()),
+        ),
+        (
+            "stop wrong type",
+            "/v1/completions",
+            Body::from(json!({"model": MODEL, "prompt": "x", "stop": 7}).to_string()),
+        ),
+        (
+            "stream_options without stream",
+            "/v1/completions",
+            Body::from(
+                json!({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": true}})
+                    .to_string(),
+            ),
+        ),
+        (
+            "body over the limit",
+            "/v1/completions",
+            Body::from(vec![b' '; MAX_BODY_BYTES + 10]),
+        ),
+        (
+            "unknown role",
+            "/v1/chat/completions",
+            Body::from(
+                json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+                    .to_string(),
+            ),
+        ),
+        (
+            "non-string content",
+            "/v1/chat/completions",
+            Body::from(
+                json!({"model": MODEL, "messages": [{"role": "user", "content": 42}]}).to_string(),
+            ),
+        ),
+        (
+            "empty messages",
+            "/v1/chat/completions",
+            Body::from(json!({"model": MODEL, "messages": []}).to_string()),
+        ),
+        (
+            "messages not a list",
+            "/v1/chat/completions",
+            Body::from(ok_chat(json!({"messages": "hi"})).to_string()),
+        ),
+        (
+            "seed wrong type",
+            "/v1/chat/completions",
+            Body::from(ok_chat(json!({"seed": "abc"})).to_string()),
+        ),
+        (
+            "unknown endpoint",
+            "/v1/embeddings",
+            Body::from(json!({}).to_string()),
+        ),
+    ];
+    assert!(cases.len() >= 20);
+    for (name, uri, body) in cases {
+        let (s, b, rid) = send(&app, "POST", uri, body, true).await;
+        assert!(s.is_client_error(), "{name}: status {s}, body {b}");
+        assert!(rid.is_some(), "{name}: no request id");
+        let v: Value =
+            serde_json::from_str(&b).unwrap_or_else(|e| panic!("{name}: not JSON ({e}): {b}"));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{name}: {v}"
+        );
+        assert!(v["error"]["type"].is_string(), "{name}: {v}");
+    }
+    // Without a JSON content type.
+    let (s, b, _) = send(&app, "POST", "/v1/completions", Body::from("{}"), false).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    assert!(b.contains("Content-Type"), "{b}");
+    // Still serving.
+    let (s, v) = post(&app, "/v1/chat/completions", &ok_chat(json!({}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+}
