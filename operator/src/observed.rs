@@ -192,3 +192,97 @@ pub fn node_from(node: &Node) -> ObservedNode {
             }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        ContainerState, ContainerStateTerminated, ContainerStatus, PodCondition, PodSpec, PodStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use k8s_openapi::jiff::Timestamp;
+
+    #[test]
+    fn a_failed_rank_is_read_with_its_reason() {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("m-g2-r1".to_owned()),
+                labels: Some(BTreeMap::from([
+                    (labels::GROUP.to_owned(), "2".to_owned()),
+                    (labels::RANK.to_owned(), "1".to_owned()),
+                    (labels::RELEASE.to_owned(), "abc".to_owned()),
+                ])),
+                annotations: Some(BTreeMap::from([(
+                    labels::TEMPLATE_HASH.to_owned(),
+                    "h".to_owned(),
+                )])),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("n1".to_owned()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Failed".to_owned()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".to_owned(),
+                    status: "False".to_owned(),
+                    ..PodCondition::default()
+                }]),
+                container_statuses: Some(vec![ContainerStatus {
+                    name: "engine".to_owned(),
+                    state: Some(ContainerState {
+                        terminated: Some(ContainerStateTerminated {
+                            reason: Some("OOMKilled".to_owned()),
+                            ..ContainerStateTerminated::default()
+                        }),
+                        ..ContainerState::default()
+                    }),
+                    ..ContainerStatus::default()
+                }]),
+                ..PodStatus::default()
+            }),
+        };
+        let observed = pod_from(&pod).expect("labels are complete");
+        assert_eq!((observed.group, observed.rank), (2, 1));
+        assert_eq!(observed.phase, Phase::Failed);
+        assert!(!observed.ready);
+        assert_eq!(observed.problem.as_deref(), Some("engine: OOMKilled"));
+        assert_eq!(observed.template_hash.as_deref(), Some("h"));
+        assert_eq!(observed.node.as_deref(), Some("n1"));
+
+        let mut unlabelled = pod;
+        unlabelled.metadata.labels =
+            Some(BTreeMap::from([(labels::GROUP.to_owned(), "x".to_owned())]));
+        assert_eq!(
+            pod_from(&unlabelled),
+            None,
+            "a pod without a numeric group/rank is never guessed at"
+        );
+    }
+
+    #[test]
+    fn the_restart_record_written_by_plan_reads_back() {
+        // `plan` writes the time with `Timestamp`'s Display; the record must parse it.
+        let when = Timestamp::from_second(1_767_229_200).expect("valid time");
+        let service = Service {
+            metadata: ObjectMeta {
+                labels: Some(BTreeMap::from([(labels::GROUP.to_owned(), "4".to_owned())])),
+                annotations: Some(BTreeMap::from([
+                    (labels::RESTARTS.to_owned(), "3".to_owned()),
+                    (labels::LAST_RESTART.to_owned(), when.to_string()),
+                ])),
+                ..ObjectMeta::default()
+            },
+            ..Service::default()
+        };
+        assert_eq!(
+            group_from(&service),
+            Some(GroupRecord {
+                group: 4,
+                restarts: 3,
+                last_restart: Some(Time(when)),
+            })
+        );
+    }
+}
