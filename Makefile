@@ -9,7 +9,7 @@ CARGO ?= cargo
 .PHONY: help generate lint test test-unit
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | sort
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | sort
 
 generate: ## regenerate the CRD in manifests/crds/ from the API types
 	$(CARGO) run --quiet -p slipway-api --bin crdgen
@@ -25,4 +25,4 @@ test-unit: ## unit, property and engine tests of the default workspace members
 test: test-unit ## everything: unit tests and the end-to-end tests
 
 # Component fragments: each adds its own targets (model, bench-*, e2e, ...).
--include engine/engine.mk bench/bench.mk e2e/e2e.mk
+-include engine/engine.mk bench/bench.mk e2e/e2e.mk operator/operator.mk
