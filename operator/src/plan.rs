@@ -14,7 +14,8 @@
 //!   is broken. It is recreated whole after a backoff (10 s doubling, capped at 5 min)
 //!   and at most [`MAX_GROUP_RESTARTS`] times; after that it is `Held`: left as it is,
 //!   reported in `Degraded`, and counted as lost capacity. The count resets after the
-//!   group has run ready for [`RESTART_RESET`], or when the group's Service is deleted.
+//!   group has run ready for [`RESTART_RESET`], when the spec changes the group's
+//!   pods (a new template is a new chance), or when the group's Service is deleted.
 //! - only terminating pods → wait until they are gone (names are reused).
 //!
 //! Invariants: `plan` never writes the spec; it applies pods only for ranks that do
@@ -276,6 +277,12 @@ fn plan_valid(
 
         let state = if outdated {
             delete_live(&mut delete);
+            // A new template is a new chance: a held group is released by a spec change.
+            record = GroupRecord {
+                group,
+                restarts: 0,
+                last_restart: None,
+            };
             GroupState::Replacing
         } else if failed.is_some() || missing {
             let why = match failed {
