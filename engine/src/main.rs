@@ -6,6 +6,7 @@
 //! Results go to stdout; logs go to stderr (`RUST_LOG` filters them).
 
 mod commands;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -33,6 +34,9 @@ enum Command {
     Score(commands::ScoreArgs),
     /// Measure prompt processing, single-stream and aggregate decode tokens/s.
     Bench(commands::BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching,
+    /// prefix cache, SSE streaming); drains on SIGTERM or POST /admin/drain.
+    Serve(serve::ServeArgs),
 }
 
 /// Where the model file is.
@@ -69,6 +73,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => commands::run_generate(&args),
         Command::Score(args) => commands::run_score(&args),
         Command::Bench(args) => commands::run_bench(&args),
+        Command::Serve(args) => serve::run_serve(&args),
     }
 }
 

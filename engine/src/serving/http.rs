@@ -54,6 +54,8 @@ pub struct AppState {
     pub default_max_tokens: usize,
     /// False while draining or before warm-up.
     pub ready: AtomicBool,
+    /// Signalled by `POST /admin/drain` (the server then drains as on SIGTERM).
+    pub drain: tokio::sync::Notify,
     next_request: AtomicU64,
 }
 
@@ -77,6 +79,7 @@ impl AppState {
             max_model_len,
             default_max_tokens: 256,
             ready: AtomicBool::new(true),
+            drain: tokio::sync::Notify::new(),
             next_request: AtomicU64::new(1),
         }
     }
@@ -163,6 +166,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
+        .route("/admin/drain", post(drain))
         .fallback(|| async { ApiError::bad("no such endpoint", None) })
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
@@ -203,6 +207,15 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     } else {
         ApiError::Unavailable("draining".into()).into_response()
     }
+}
+
+/// Stops admitting at once (`/ready` false, new requests 503) and wakes the server's
+/// drain, which lets admitted requests finish.
+async fn drain(State(state): State<Arc<AppState>>) -> Json<Value> {
+    state.ready.store(false, Ordering::Relaxed);
+    state.drain.notify_one();
+    tracing::info!("drain requested");
+    Json(json!({"draining": true}))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
@@ -517,6 +530,11 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
 }
 
 async fn run(state: Arc<AppState>, p: Prepared, rid: RequestId) -> Result<Response, ApiError> {
+    if !state.ready.load(Ordering::Relaxed) {
+        return Err(ApiError::Unavailable(
+            "the server is draining; retry on another replica".into(),
+        ));
+    }
     let prompt_tokens = p.gen_req.prompt.len();
     let stream = state
         .engine

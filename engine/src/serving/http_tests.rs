@@ -343,3 +343,29 @@ async fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     let (s, v) = post(&app, "/v1/chat/completions", &ok_chat(json!({}))).await;
     assert_eq!(s, StatusCode::OK, "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_turns_ready_off_and_refuses_new_requests_with_retry_after() {
+    let app = router(state());
+    let (s, _, _) = send(&app, "POST", "/admin/drain", Body::empty(), false).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        send(&app, "GET", "/ready", Body::empty(), false).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let req = HttpRequest::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt": "x"}).to_string(),
+        ))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(resp.headers().contains_key("retry-after"));
+    assert_eq!(
+        send(&app, "GET", "/health", Body::empty(), false).await.0,
+        StatusCode::OK
+    );
+}
