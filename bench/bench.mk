@@ -13,11 +13,11 @@
 
 .PHONY: bench-llama-server bench-e2e bench-serving
 
-bench-llama-server:
+bench-llama-server: ## build llama.cpp's llama-server from the llama-cpp-python sdist (cached; slow the first time)
 	bench/scripts/build-llama-server
 
-bench-e2e:
+bench-e2e: ## a short real sweep against llama-server on the real model (summary, records, plot)
 	bench/scripts/bench-e2e
 
-bench-serving:
+bench-serving: ## Slipway vs llama-server: the same sweep against each, side-by-side table and ratios
 	bench/scripts/bench-serving

@@ -26,8 +26,8 @@ fuzz-gguf: ## fuzz the GGUF reader, tokenizer and template for FUZZ_SECONDS (def
 	    -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 -timeout=10
 
 .PHONY: bench-model
-## bench-model: build llama.cpp's llama-bench/llama-batched-bench (cached under
-##              ~/.cache/slipway/llama.cpp) and print our tokens/s against theirs on
-##              the same GGUF, same run: pp512, tg128, aggregate decode @16 and @64
-bench-model:
+# Builds llama.cpp's llama-bench/llama-batched-bench (cached under
+# ~/.cache/slipway/llama.cpp) and prints our tokens/s against theirs on the same GGUF,
+# same run: pp512, tg128, aggregate decode @16 and @64.
+bench-model: ## our engine vs llama.cpp on the same GGUF in the same run: pp512, tg128, aggregate decode @16/@64
 	@$(ENGINE_SCRIPTS)/bench-model
