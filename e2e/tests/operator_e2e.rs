@@ -628,7 +628,7 @@ async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::
     setup.wait_ready("smollm2", 5).await?;
     setup.wait_pods(&pod_names("smollm2", 5, 1)).await?;
     // Let the last status write land before taking the baseline: FaultTolerant and
-    // serving follow readiness by one reconcile.
+    // serving follow readiness (and the EndpointSlices) by one reconcile or more.
     let isvc = wait::for_object(
         &setup.isvcs(),
         "smollm2",
@@ -638,6 +638,7 @@ async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::
             o.is_some_and(|o| {
                 condition(&o.data["status"], "FaultTolerant") == Some("True")
                     && condition(&o.data["status"], "Progressing") == Some("False")
+                    && o.data["status"]["replicas"]["serving"] == 5
             })
         },
     )
@@ -658,7 +659,6 @@ async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::
     let svc_list = svc_api
         .list(&ListParams::default().labels(selector))
         .await?;
-    let isvc_list = setup.isvcs().list(&ListParams::default()).await?;
     let mut changes = futures::stream::select_all(vec![
         setup
             .pods()
@@ -681,7 +681,9 @@ async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::
             .isvcs()
             .watch(
                 &WatchParams::default().timeout(30),
-                &isvc_list.metadata.resource_version.unwrap_or_default(),
+                // From the baseline itself, so a write between it and the re-apply is
+                // caught and shown too.
+                isvc_version.as_deref().unwrap_or_default(),
             )
             .await?
             .map(|e| e.map(|e| format!("inferenceservice {e:?}")))
