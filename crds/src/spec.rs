@@ -531,6 +531,13 @@ pub struct RolloutSpec {
     #[serde(default = "one")]
     #[schemars(range(min = 1, max = 100))]
     pub max_surge: i32,
+
+    /// How long a step's canary groups may take to become ready. Past it, the rollout
+    /// is rolled back with the reason (e.g. an image that cannot be pulled).
+    #[serde(default = "default_progress_deadline")]
+    #[schemars(length(max = 32), pattern(crate::duration::PATTERN))]
+    #[x_kube(validation = positive_duration("rollout.progressDeadline"))]
+    pub progress_deadline: String,
 }
 
 impl Default for RolloutSpec {
@@ -539,8 +546,13 @@ impl Default for RolloutSpec {
             steps: default_steps(),
             analysis: AnalysisSpec::default(),
             max_surge: 1,
+            progress_deadline: default_progress_deadline(),
         }
     }
+}
+
+fn default_progress_deadline() -> String {
+    "10m".to_owned()
 }
 
 fn default_steps() -> Vec<CanaryStep> {

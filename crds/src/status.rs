@@ -93,6 +93,11 @@ pub struct CanaryStatus {
     pub step: i32,
     /// Percent of groups running the canary now.
     pub weight: i32,
+    /// When the current step's canary groups were all ready (its pause and analysis
+    /// count from here). Kept in status so an operator restart resumes the step
+    /// instead of starting it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_started_at: Option<Time>,
 }
 
 /// What a rollout is waiting on.
