@@ -5,9 +5,12 @@
 //! a real gateway in front of them does. Every content chunk is timestamped on
 //! arrival with the run clock.
 //!
-//! The request asks for exactly `max_tokens` tokens (`ignore_eos`), so output length
-//! is the workload's, not the model's whim; servers that ignore the flag are still
-//! measured correctly because N_out comes from `usage` or the chunks seen.
+//! The request asks for exactly `max_tokens` tokens (`ignore_eos`, an extension vLLM
+//! and llama-server accept), so output length is the workload's, not the model's
+//! whim. A server that refuses unknown fields can be driven without it
+//! ([`ClientConfig::ignore_eos`] off); it is still measured correctly because N_out
+//! comes from `usage` or the chunks seen, and the records keep `maxTokens` beside the
+//! server's count so a shorter output shows.
 
 use std::time::Duration;
 
@@ -62,6 +65,8 @@ pub struct ClientConfig {
     pub timeout: Duration,
     /// Optional bearer token.
     pub api_key: Option<String>,
+    /// Send `ignore_eos: true` so every request generates exactly `max_tokens`.
+    pub ignore_eos: bool,
 }
 
 /// A pooled HTTP/1.1 client.
@@ -130,7 +135,9 @@ impl Client {
         b["stream"] = json!(true);
         b["stream_options"] = json!({"include_usage": true});
         b["max_tokens"] = json!(plan.max_tokens);
-        b["ignore_eos"] = json!(true);
+        if self.cfg.ignore_eos {
+            b["ignore_eos"] = json!(true);
+        }
         b["temperature"] = json!(0.0);
         if let Some(t) = &plan.tenant {
             b["user"] = json!(t);

@@ -112,6 +112,10 @@ struct Common {
     /// Bearer token, if the server wants one.
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Do not send `ignore_eos` (for servers that refuse the field): the model may
+    /// then stop before `max_tokens`; the records show by how much.
+    #[arg(long)]
+    no_ignore_eos: bool,
     /// Hide the progress bar.
     #[arg(long)]
     quiet: bool,
@@ -168,6 +172,9 @@ struct CompareArgs {
     /// Write a combined plot to this path stem (.svg and .png).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Write the comparison (values and ratios) as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy)]
@@ -233,6 +240,7 @@ impl Common {
             api,
             timeout: Duration::from_secs_f64(self.timeout),
             api_key: self.api_key.clone(),
+            ignore_eos: !self.no_ignore_eos,
         })?)
     }
 
@@ -489,6 +497,10 @@ fn cmd_compare(a: &CompareArgs) -> anyhow::Result<()> {
     };
     let (ours, peer) = (load(&a.ours)?, load(&a.peer)?);
     print!("{}", report::compare_table(&ours, &peer));
+    if let Some(path) = &a.json {
+        write_json(path, &report::compare(&ours, &peer))?;
+        println!("comparison: {}", path.display());
+    }
     if let Some(stem) = &a.plot {
         let files = slipway_bench::plot::plot_sweeps(&[&ours, &peer], stem)?;
         let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();

@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use serde::Serialize;
+
 use crate::stats::{Latency, Summary};
 use crate::sweep::{SweepPoint, SweepResult};
 
@@ -193,44 +195,94 @@ pub fn capacity_note(r: &SweepResult) -> String {
     }
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+fn ratio_value(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
-        _ => "n/a".into(),
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
     }
 }
 
-/// Side-by-side comparison of `a` (ours) against `b` (the peer), with ratios a/b.
-///
-/// "Equal offered load" is the highest rate both sweeps measured at which the peer
-/// still passed (or, if it never passed, the lowest common rate).
-#[must_use]
-pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
-    let mut o = String::new();
-    let _ = writeln!(o, "== {} vs {} ==", a.label, b.label);
-    let _ = writeln!(o, "workload: {}; SLO: {}", a.workload, a.slo.describe());
-    if a.workload != b.workload || a.slo != b.slo {
-        let _ = writeln!(
-            o,
-            "WARNING: the two sweeps used different workloads or SLOs; ratios are not comparable"
-        );
+/// One metric of a comparison: ours, the peer's, and the ratio in the direction where
+/// greater than 1 means we are better.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Compared {
+    /// Our value (`None`: none, or an infinite percentile).
+    pub ours: Option<f64>,
+    /// The peer's value.
+    pub peer: Option<f64>,
+    /// ours/peer for rates, peer/ours for latencies: > 1 is better for us.
+    pub ratio: Option<f64>,
+}
+
+impl Compared {
+    fn higher_better(ours: Option<f64>, peer: Option<f64>) -> Self {
+        Self {
+            ours,
+            peer,
+            ratio: ratio_value(ours, peer),
+        }
     }
-    let fa = a.frontier.as_ref().map(|f| f.goodput_rps);
-    let fb = b.frontier.as_ref().map(|f| f.goodput_rps);
-    let show = |v: Option<f64>| v.map_or("none".into(), |v| format!("{v:.3}"));
-    let _ = writeln!(
-        o,
-        "{:<34} {:>14} {:>14} {:>8}",
-        "", a.label, b.label, "ratio"
-    );
-    let _ = writeln!(
-        o,
-        "{:<34} {:>14} {:>14} {:>8}",
-        "goodput frontier (req/s)",
-        show(fa),
-        show(fb),
-        ratio(fa, fb)
-    );
+
+    fn lower_better(ours: Option<f64>, peer: Option<f64>) -> Self {
+        Self {
+            ours,
+            peer,
+            ratio: ratio_value(peer, ours),
+        }
+    }
+}
+
+/// The metrics compared at one offered rate both sweeps measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EqualLoad {
+    /// The offered rate, requests/s.
+    pub rate: f64,
+    /// TTFT P99, ms.
+    pub ttft_p99_ms: Compared,
+    /// TPOT P99, ms.
+    pub tpot_p99_ms: Compared,
+    /// Output tokens/s of completed requests.
+    pub output_tokens_per_s: Compared,
+    /// Mean output tokens per completed request: equal unless a server stopped early
+    /// (no `ignore_eos`), which would make its work lighter.
+    pub mean_output_tokens: Compared,
+}
+
+/// Two sweeps side by side, as written by `compare --json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Comparison {
+    /// The system under test.
+    pub ours: String,
+    /// The peer.
+    pub peer: String,
+    /// The workload (ours; a mismatch sets `comparable` false).
+    pub workload: String,
+    /// The SLO (ours).
+    pub slo: String,
+    /// Same workload and SLO on both sides.
+    pub comparable: bool,
+    /// SLO-goodput at the frontier, requests/s.
+    pub goodput_frontier_rps: Compared,
+    /// Output tokens/s at each side's own frontier.
+    pub frontier_output_tokens_per_s: Compared,
+    /// The highest rate both measured at which the peer still passed (or, if it never
+    /// passed, the lowest common rate); `None` when no rate is common.
+    pub equal_load: Option<EqualLoad>,
+}
+
+fn mean_output_tokens(s: &Summary) -> Option<f64> {
+    (s.counts.completed > 0).then(|| s.output_tokens_per_s * s.window_s / s.counts.completed as f64)
+}
+
+/// The points compared at equal offered load: the highest rate both sweeps measured
+/// at which the peer still passed, else the lowest common rate.
+fn equal_load_points<'a>(
+    a: &'a SweepResult,
+    b: &'a SweepResult,
+) -> Option<(&'a SweepPoint, &'a SweepPoint)> {
     let common: Vec<(&SweepPoint, &SweepPoint)> = a
         .sorted_points()
         .into_iter()
@@ -241,44 +293,135 @@ pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
                 .map(|pb| (pa, pb))
         })
         .collect();
-    let at = common
+    common
         .iter()
         .rev()
         .find(|(_, pb)| pb.summary.slo_pass)
-        .or_else(|| common.first());
-    if let Some((pa, pb)) = at {
+        .or_else(|| common.first())
+        .copied()
+}
+
+/// Compares `a` (ours) with `b` (the peer).
+#[must_use]
+pub fn compare(a: &SweepResult, b: &SweepResult) -> Comparison {
+    let equal_load = equal_load_points(a, b).map(|(pa, pb)| {
         let (sa, sb) = (&pa.summary, &pb.summary);
-        let _ = writeln!(o, "at equal offered load {:.3} req/s:", pa.rate);
-        // Lower latency is better, so the ratio shown is peer/ours (>1 = we are faster).
+        EqualLoad {
+            rate: pa.rate,
+            ttft_p99_ms: Compared::lower_better(sa.ttft.p99_ms, sb.ttft.p99_ms),
+            tpot_p99_ms: Compared::lower_better(sa.tpot.p99_ms, sb.tpot.p99_ms),
+            output_tokens_per_s: Compared::higher_better(
+                Some(sa.output_tokens_per_s),
+                Some(sb.output_tokens_per_s),
+            ),
+            mean_output_tokens: Compared::higher_better(
+                mean_output_tokens(sa),
+                mean_output_tokens(sb),
+            ),
+        }
+    });
+    Comparison {
+        ours: a.label.clone(),
+        peer: b.label.clone(),
+        workload: a.workload.clone(),
+        slo: a.slo.describe(),
+        comparable: a.workload == b.workload && a.slo == b.slo,
+        goodput_frontier_rps: Compared::higher_better(
+            a.frontier.as_ref().map(|f| f.goodput_rps),
+            b.frontier.as_ref().map(|f| f.goodput_rps),
+        ),
+        frontier_output_tokens_per_s: Compared::higher_better(
+            a.frontier.as_ref().map(|f| f.output_tokens_per_s),
+            b.frontier.as_ref().map(|f| f.output_tokens_per_s),
+        ),
+        equal_load,
+    }
+}
+
+/// Side-by-side comparison of `a` (ours) against `b` (the peer), with ratios.
+///
+/// "Equal offered load" is the highest rate both sweeps measured at which the peer
+/// still passed (or, if it never passed, the lowest common rate).
+#[must_use]
+pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
+    let c = compare(a, b);
+    let mut o = String::new();
+    let _ = writeln!(o, "== {} vs {} ==", c.ours, c.peer);
+    let _ = writeln!(o, "workload: {}; SLO: {}", c.workload, c.slo);
+    if !c.comparable {
         let _ = writeln!(
             o,
-            "{:<34} {:>14} {:>14} {:>8}",
-            "  TTFT P99 (ms; ratio peer/ours)",
-            ms(sa.ttft.p99_ms, &sa.ttft),
-            ms(sb.ttft.p99_ms, &sb.ttft),
-            ratio(sb.ttft.p99_ms, sa.ttft.p99_ms)
+            "WARNING: the two sweeps used different workloads or SLOs; ratios are not comparable"
         );
+    }
+    let row = |o: &mut String, name: &str, m: &Compared, fmt: &dyn Fn(Option<f64>) -> String| {
+        let ratio = m.ratio.map_or("n/a".into(), |r| format!("{r:.2}×"));
         let _ = writeln!(
             o,
-            "{:<34} {:>14} {:>14} {:>8}",
-            "  TPOT P99 (ms; ratio peer/ours)",
-            ms(sa.tpot.p99_ms, &sa.tpot),
-            ms(sb.tpot.p99_ms, &sb.tpot),
-            ratio(sb.tpot.p99_ms, sa.tpot.p99_ms)
+            "{name:<38} {:>16} {:>16} {:>8}",
+            fmt(m.ours),
+            fmt(m.peer),
+            ratio
         );
-        let _ = writeln!(
-            o,
-            "{:<34} {:>14.1} {:>14.1} {:>8}",
-            "  output tokens/s",
-            sa.output_tokens_per_s,
-            sb.output_tokens_per_s,
-            ratio(Some(sa.output_tokens_per_s), Some(sb.output_tokens_per_s))
-        );
-    } else {
-        let _ = writeln!(
-            o,
-            "no offered rate was measured in both sweeps; no equal-load comparison"
-        );
+    };
+    let rate = |v: Option<f64>| v.map_or("none".into(), |v| format!("{v:.3}"));
+    let tok = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+    let _ = writeln!(o, "{:<38} {:>16} {:>16} {:>8}", "", c.ours, c.peer, "ratio");
+    row(
+        &mut o,
+        "goodput frontier (req/s)",
+        &c.goodput_frontier_rps,
+        &rate,
+    );
+    row(
+        &mut o,
+        "output tok/s at own frontier",
+        &c.frontier_output_tokens_per_s,
+        &tok,
+    );
+    match (&c.equal_load, equal_load_points(a, b)) {
+        (Some(e), Some((pa, pb))) => {
+            let _ = writeln!(o, "at equal offered load {:.3} req/s:", e.rate);
+            // Lower latency is better, so the ratio shown is peer/ours (>1 = we are
+            // faster); an infinite percentile (unfinished requests) prints as inf.
+            let (sa, sb) = (&pa.summary, &pb.summary);
+            for (name, m, la, lb) in [
+                (
+                    "  TTFT P99 (ms; ratio peer/ours)",
+                    &e.ttft_p99_ms,
+                    &sa.ttft,
+                    &sb.ttft,
+                ),
+                (
+                    "  TPOT P99 (ms; ratio peer/ours)",
+                    &e.tpot_p99_ms,
+                    &sa.tpot,
+                    &sb.tpot,
+                ),
+            ] {
+                let ratio = m.ratio.map_or("n/a".into(), |r| format!("{r:.2}×"));
+                let _ = writeln!(
+                    o,
+                    "{name:<38} {:>16} {:>16} {:>8}",
+                    ms(m.ours, la),
+                    ms(m.peer, lb),
+                    ratio
+                );
+            }
+            row(&mut o, "  output tokens/s", &e.output_tokens_per_s, &tok);
+            row(
+                &mut o,
+                "  mean output tok/completed request",
+                &e.mean_output_tokens,
+                &tok,
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                o,
+                "no offered rate was measured in both sweeps; no equal-load comparison"
+            );
+        }
     }
     o
 }

@@ -109,6 +109,10 @@ struct Payload {
     choices: Vec<Choice>,
     usage: Option<Usage>,
     error: Option<ErrorBody>,
+    /// `"error"` in the bare error objects older vLLM versions stream
+    /// (`{"object": "error", "message": ...}`), which have no `error` field.
+    object: Option<String>,
+    message: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -170,6 +174,12 @@ pub fn parse_chunk(data: &str) -> Result<Chunk, serde_json::Error> {
         ErrorBody::Object { message } => message,
         ErrorBody::Text(t) => t,
     });
+    if c.error.is_none() && p.object.as_deref() == Some("error") {
+        c.error = Some(
+            p.message
+                .unwrap_or_else(|| "error object without message".into()),
+        );
+    }
     Ok(c)
 }
 
@@ -228,5 +238,70 @@ mod tests {
         assert_eq!(c.error.as_deref(), Some("boom"));
         assert!(parse_chunk("[DONE]").unwrap().done);
         assert!(parse_chunk("not json").is_err());
+    }
+
+    /// Every payload of a fixture stream, parsed.
+    fn replay(fixture: &str) -> Vec<Chunk> {
+        let mut p = SseParser::new();
+        let mut data = p.push(fixture.as_bytes());
+        data.extend(p.finish());
+        data.iter().map(|d| parse_chunk(d).unwrap()).collect()
+    }
+
+    #[test]
+    fn vllm_completions_stream_with_usage_chunk_and_done() {
+        // vLLM's /v1/completions stream with stream_options.include_usage: one chunk per
+        // token (an incomplete UTF-8 token streams as empty text), the last token
+        // together with finish_reason, then a usage chunk with no choices, then [DONE].
+        let chunks = replay(include_str!("../tests/fixtures/vllm-completions.sse"));
+        assert_eq!(chunks.len(), 7);
+        let texts: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
+        assert_eq!(texts, [" the", " river", "", " é", " and", "", ""]);
+        assert_eq!(chunks[4].finish_reason.as_deref(), Some("length"));
+        assert!(chunks[..5].iter().all(|c| c.usage.is_none()));
+        assert_eq!(chunks[5].usage, Some((12, 5)));
+        assert!(chunks[6].done);
+        assert!(chunks.iter().all(|c| c.error.is_none()));
+    }
+
+    #[test]
+    fn vllm_chat_stream_with_role_chunk_and_continuous_usage() {
+        // The first chunk carries only the role (empty content, not a token); with
+        // continuous_usage_stats every chunk carries running usage, and the last
+        // word's chunk also carries finish_reason.
+        let chunks = replay(include_str!("../tests/fixtures/vllm-chat.sse"));
+        let texts: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
+        assert_eq!(texts, ["", "The", " garden", " is", "", ""]);
+        let usage: Vec<Option<(u32, u32)>> = chunks.iter().map(|c| c.usage).collect();
+        assert_eq!(
+            usage,
+            [
+                None,
+                Some((20, 1)),
+                Some((20, 2)),
+                Some((20, 3)),
+                Some((20, 3)),
+                None
+            ]
+        );
+        assert_eq!(chunks[3].finish_reason.as_deref(), Some("length"));
+        assert!(chunks[5].done);
+    }
+
+    #[test]
+    fn vllm_error_objects_old_and_new_are_errors() {
+        let new = parse_chunk(
+            r#"{"error":{"object":"error","message":"prompt too long","type":"BadRequestError","param":null,"code":400}}"#,
+        )
+        .unwrap();
+        assert_eq!(new.error.as_deref(), Some("prompt too long"));
+        let old = parse_chunk(
+            r#"{"object":"error","message":"engine dead","type":"InternalServerError","param":null,"code":500}"#,
+        )
+        .unwrap();
+        assert_eq!(old.error.as_deref(), Some("engine dead"));
+        // An ordinary chunk's `object` is not an error.
+        let ok = parse_chunk(r#"{"object":"text_completion","choices":[{"text":"x"}]}"#).unwrap();
+        assert!(ok.error.is_none());
     }
 }

@@ -94,7 +94,10 @@ impl LengthDist {
 pub struct SharedPrefix {
     /// Fraction of requests (0..=1) whose prompt starts with the shared prefix.
     pub fraction: f64,
-    /// Length of the shared prefix in tokens (counted inside the prompt length).
+    /// Length of the shared prefix in tokens, counted inside the prompt length. A
+    /// sharing request drawn shorter than the prefix plus its tag is lengthened to
+    /// that (the prefix is never cut, or it would not be shared), and its plan
+    /// carries the real length.
     pub tokens: u32,
 }
 
@@ -262,6 +265,10 @@ const WORDS: &[&str] = &[
     "morning", "night", "road", "ship", "train", "friend", "color", "number", "voice", "field",
 ];
 
+/// Tokens the request tag ("Request 123:") is counted as; the server's own count is
+/// recorded, and the real-engine test checks the two agree.
+const TAG_TOKENS: u32 = 4;
+
 /// Deterministic text of `n` single-token words drawn with `rng`.
 fn words(rng: &mut StdRng, n: u32) -> String {
     let mut s = String::with_capacity(n as usize * 6);
@@ -320,12 +327,12 @@ pub fn generate(
             }
             Some(pick.name.clone())
         };
-        // The tag costs a few tokens; the rest are words. A prompt shorter than its
-        // shared prefix keeps just the tag.
+        // The tag costs a few tokens; the rest are words. A sharing prompt is at
+        // least the prefix plus the tag.
+        let prefix_tokens = system.as_ref().map_or(0, |(t, _)| *t);
+        let prompt_tokens = prompt_tokens.max(prefix_tokens + TAG_TOKENS);
         let tag = format!("Request {i}:");
-        let user_words = prompt_tokens
-            .saturating_sub(system.as_ref().map_or(0, |(t, _)| *t))
-            .saturating_sub(4);
+        let user_words = prompt_tokens - prefix_tokens - TAG_TOKENS;
         let body = words(&mut rng, user_words);
         out.push(RequestPlan {
             id: i as u64,
@@ -420,5 +427,65 @@ mod tests {
         assert!((a as i64 - 3000).abs() < 200, "{a}");
         // Unshared prompts never share their first words: each starts with its own tag.
         assert!(reqs[1].prompt.starts_with("Request 1:"));
+    }
+
+    #[test]
+    fn bench_serving_workload_files_are_the_issues_workloads() {
+        let a = WorkloadSpec::from_yaml(include_str!("../workloads/reference.yaml")).unwrap();
+        assert_eq!(a, WorkloadSpec::default());
+        let b = WorkloadSpec::from_yaml(include_str!("../workloads/shared-prefix.yaml")).unwrap();
+        assert_eq!(
+            b,
+            WorkloadSpec {
+                shared_prefix: Some(SharedPrefix {
+                    fraction: 0.5,
+                    tokens: 256
+                }),
+                ..WorkloadSpec::default()
+            }
+        );
+        assert!(
+            b.describe().contains("50% share a 256-tok prefix"),
+            "{}",
+            b.describe()
+        );
+    }
+
+    #[test]
+    fn half_the_shared_prefix_workload_starts_with_the_same_256_words() {
+        let spec =
+            WorkloadSpec::from_yaml(include_str!("../workloads/shared-prefix.yaml")).unwrap();
+        let arrivals = vec![0.0; 2000];
+        let reqs = generate(&spec, &arrivals, 1).unwrap();
+        let prefix = shared_prefix_text(256);
+        assert_eq!(prefix.split(' ').count(), 256);
+        let sharing: Vec<_> = reqs.iter().filter(|r| r.system.is_some()).collect();
+        // Binomial(2000, 0.5): sd ≈ 22, so ±150 is > 6 sigma.
+        assert!(
+            (sharing.len() as i64 - 1000).abs() < 150,
+            "{}",
+            sharing.len()
+        );
+        for r in &reqs {
+            let user_words = r.prompt.split(' ').count() as u32 - 2;
+            match &r.system {
+                Some(s) => {
+                    assert_eq!(*s, prefix);
+                    // The prefix is never cut: short draws are lengthened to hold it.
+                    assert!(
+                        (260..=512).contains(&r.prompt_tokens),
+                        "{}",
+                        r.prompt_tokens
+                    );
+                    assert_eq!(256 + TAG_TOKENS + user_words, r.prompt_tokens);
+                }
+                None => {
+                    assert!((64..=512).contains(&r.prompt_tokens));
+                    assert_eq!(TAG_TOKENS + user_words, r.prompt_tokens);
+                }
+            }
+        }
+        // The same seed gives the same requests, so both servers see identical prompts.
+        assert_eq!(reqs, generate(&spec, &arrivals, 1).unwrap());
     }
 }

@@ -24,6 +24,7 @@ fn client(url: &str, api: Api, timeout: Duration) -> Client {
         api,
         timeout,
         api_key: None,
+        ignore_eos: true,
     })
     .unwrap()
 }
