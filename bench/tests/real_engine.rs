@@ -1,0 +1,278 @@
+//! `slipway-bench sweep` against the real engine: `slipway-engine serve` on the real
+//! SmolLM2-135M-Instruct Q4_1 model, a short two-rate sweep of a small workload with a
+//! shared prefix, and checks that it wrote the summary, the per-request records, the
+//! plot and the capacity note, and that every request is accounted for.
+//!
+//! A smoke test of the tool on a real server (seconds), not a benchmark: it asserts no
+//! latency. The engine binary is the one `cargo test` builds beside this test (the
+//! engine is a workspace member with integration tests, so `make test` builds it);
+//! `SLIPWAY_ENGINE_BIN` overrides. A missing binary or model fails with instructions.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The name the engine serves (it answers 404 to any other `model`).
+const MODEL_NAME: &str = "bench";
+
+/// The real model, where `make model` puts it (same lookup as the engine's tests).
+fn model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("SLIPWAY_MODEL") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "SLIPWAY_MODEL={} does not exist; unset it and run `make model`",
+            p.display()
+        );
+        return p;
+    }
+    let cache = std::env::var_os("SLIPWAY_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/slipway")))
+        .unwrap_or_else(|| PathBuf::from(".cache/slipway"));
+    let p = cache.join("models").join(MODEL_FILE);
+    assert!(
+        p.is_file(),
+        "test model not found at {}: run `make model` (or set SLIPWAY_MODEL)",
+        p.display()
+    );
+    p
+}
+
+/// `slipway-engine` next to this test's own target directory (`target/<profile>/`).
+fn engine_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SLIPWAY_ENGINE_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/real_engine-<hash> → target/<profile>/slipway-engine
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join(format!("slipway-engine{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} not found: run the workspace tests (`make test` / `cargo test`), which build it, \
+         or `cargo build -p slipway-engine`, or set SLIPWAY_ENGINE_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// The engine process, killed when the test ends however it ends.
+struct Engine {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_engine() -> Engine {
+    let mut child = Command::new(engine_bin())
+        .args(["serve", "--model"])
+        .arg(model_path())
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            "2",
+            "--kv-blocks",
+            "512",
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            MODEL_NAME,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    // The engine prints its address once the model is loaded and the port bound.
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("listening on ") {
+                let _ = tx.send(url.trim().to_owned());
+            }
+        }
+    });
+    let mut engine = Engine {
+        child,
+        url: String::new(),
+    };
+    engine.url = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("slipway-engine serve did not print `listening on <url>` within 120 s");
+    engine
+}
+
+/// Whether the engine accepts `ignore_eos` (vLLM's and llama-server's extension).
+async fn accepts_ignore_eos(url: &str) -> bool {
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&serde_json::json!({
+            "model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1, "ignore_eos": true
+        }))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body = resp.text().await.unwrap();
+    if status.is_success() {
+        return true;
+    }
+    assert!(
+        status == 400 && body.contains("ignore_eos"),
+        "unexpected answer to a one-token request: {status} {body}"
+    );
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_sweep_against_the_real_engine_writes_summary_records_and_plot() {
+    let engine = start_engine();
+    let ignore_eos = accepts_ignore_eos(&engine.url).await;
+    eprintln!(
+        "engine at {} (accepts ignore_eos: {ignore_eos})",
+        engine.url
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let workload = dir.path().join("w.yaml");
+    std::fs::write(
+        &workload,
+        "promptTokens: {kind: uniform, min: 32, max: 96}\n\
+         outputTokens: {kind: uniform, min: 8, max: 16}\n\
+         sharedPrefix: {fraction: 0.5, tokens: 24}\n",
+    )
+    .unwrap();
+    let mut args: Vec<String> = [
+        "sweep",
+        "--url",
+        &engine.url,
+        "--model",
+        MODEL_NAME,
+        "--label",
+        "slipway-engine (test)",
+        "--workload",
+        workload.to_str().unwrap(),
+        "--rates",
+        "1,2",
+        "--refine",
+        "0",
+        "--duration",
+        "4",
+        "--drain",
+        "60",
+        "--timeout",
+        "60",
+        "--warmup",
+        "1",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    if !ignore_eos {
+        args.push("--no-ignore-eos".into());
+    }
+    let bin = env!("CARGO_BIN_EXE_slipway-bench");
+    let result = tokio::task::spawn_blocking(move || Command::new(bin).args(args).output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    assert!(
+        result.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    assert!(
+        stdout.contains("== sweep: slipway-engine (test) =="),
+        "{stdout}"
+    );
+
+    for f in ["sweep.json", "sweep.svg", "sweep.png", "capacity.yaml"] {
+        assert!(
+            out.join(f).metadata().unwrap().len() > 0,
+            "{f} missing or empty"
+        );
+    }
+    assert_eq!(
+        &std::fs::read(out.join("sweep.png")).unwrap()[..8],
+        b"\x89PNG\r\n\x1a\n"
+    );
+    let sweep: Value =
+        serde_json::from_slice(&std::fs::read(out.join("sweep.json")).unwrap()).unwrap();
+    let points = sweep["points"].as_array().unwrap();
+    assert!(!points.is_empty(), "{sweep:#}");
+    let mut shared = 0;
+    for p in points {
+        let d = out.join(format!("rate-{}", p["rate"].as_f64().unwrap()));
+        let summary: Value =
+            serde_json::from_slice(&std::fs::read(d.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(summary, p["summary"]);
+        let c = &summary["counts"];
+        let n = |k: &str| c[k].as_u64().unwrap();
+        let records: Vec<Value> = std::fs::read_to_string(d.join("records.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(records.len() as u64, n("offered"));
+        assert!(n("offered") > 0);
+        let ends = [
+            "completed",
+            "rejected",
+            "timedOut",
+            "cancelled",
+            "errors",
+            "clientCapped",
+        ];
+        assert_eq!(ends.iter().map(|k| n(k)).sum::<u64>(), n("offered"), "{c}");
+        assert_eq!(n("errors"), 0, "the engine refused requests: {records:#?}");
+        assert!(n("completed") > 0, "{c}");
+        assert_eq!(summary["little"]["consistent"], true, "{summary:#}");
+        for r in records.iter().filter(|r| r["outcome"] == "completed") {
+            let planned_in = r["promptTokens"].as_i64().unwrap();
+            let server_in = r["serverPromptTokens"].as_i64().unwrap();
+            let max_out = r["maxTokens"].as_u64().unwrap();
+            let server_out = r["serverOutputTokens"].as_u64().unwrap();
+            let chunks = r["tokenS"].as_array().unwrap().len() as u64;
+            assert!(chunks >= 1 && chunks <= server_out, "{r}");
+            if ignore_eos {
+                assert_eq!(server_out, max_out, "{r}");
+            } else {
+                assert!(server_out >= 1 && server_out <= max_out, "{r}");
+            }
+            // The synthetic prompt's planned length is what the real tokenizer counts
+            // (the words are single tokens; the tag and the prefix separator differ by a
+            // token or two), so length buckets and shared-prefix sizes mean what they say.
+            assert!(
+                (server_in - planned_in).abs() <= 3,
+                "planned {planned_in} prompt tokens, the engine counted {server_in}: {r}"
+            );
+            shared += usize::from(r["sharedPrefix"] == true);
+        }
+    }
+    assert!(shared > 0, "no completed request used the shared prefix");
+    drop(engine);
+}
