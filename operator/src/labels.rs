@@ -31,6 +31,9 @@ pub const RESTARTS: &str = "slipway.dev/restarts";
 /// On a group's headless Service: when the group was last recreated (RFC 3339).
 pub const LAST_RESTART: &str = "slipway.dev/last-restart";
 
+/// On a per-release Service: the release bundle as JSON (see `plan`, rollouts).
+pub const BUNDLE: &str = "slipway.dev/bundle";
+
 /// The engine container's HTTP port.
 pub const ENGINE_PORT: i32 = 8000;
 

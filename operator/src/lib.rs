@@ -12,6 +12,7 @@
 //! - [`plan`](mod@plan): objects, scale-in, group restarts, status and events.
 //! - [`conditions`]: condition merging and transition detection.
 //! - [`observed`]: the plain-data view of the cluster `plan` reads.
+//! - [`rollout`]: canary rollouts (pure state machine, burn-rate analysis, metrics sources).
 
 pub mod conditions;
 pub mod error;
@@ -23,6 +24,7 @@ pub mod observed;
 pub mod plan;
 pub mod pod;
 pub mod reconcile;
+pub mod rollout;
 
 pub use error::Error;
 pub use observed::Observed;

@@ -37,6 +37,13 @@ pub struct Observed {
     /// Children carrying our labels whose group or rank cannot be read: deleted.
     #[serde(default)]
     pub unparsed_pods: Vec<String>,
+    /// Release bundles by short hash, as their per-release Services keep them: how the
+    /// stable release is rendered again after the spec moved on to a canary.
+    #[serde(default)]
+    pub release_bundles: BTreeMap<String, slipway_api::spec::ReleaseBundle>,
+    /// The rollout analysis reading, when a rollout is in progress.
+    #[serde(default)]
+    pub metrics: Option<crate::rollout::analysis::MetricsReading>,
 }
 
 /// The pod phase, as far as groups care.
@@ -75,6 +82,9 @@ pub struct ObservedPod {
     /// Why it is not ready, when the pod says (a waiting or terminated reason).
     #[serde(default)]
     pub problem: Option<String>,
+    /// `status.podIP`: where the `Scrape` metrics source reads `/metrics`.
+    #[serde(default)]
+    pub ip: Option<String>,
 }
 
 /// A node, as fault domains see it.
@@ -152,6 +162,7 @@ pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
         node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
         terminating: meta.deletion_timestamp.is_some(),
         problem,
+        ip: status.and_then(|s| s.pod_ip.clone()),
     })
 }
 

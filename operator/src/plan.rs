@@ -45,6 +45,7 @@ use crate::groups::{GroupShape, group_shape};
 use crate::labels;
 use crate::observed::{GroupRecord, Observed, ObservedPod, Phase};
 use crate::pod::{ModelStaging, render};
+use crate::rollout;
 
 /// Recreations of one group before it is held.
 pub const MAX_GROUP_RESTARTS: u32 = 5;
@@ -192,6 +193,22 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
         Ok(parts) => parts,
         Err(reason) => return invalid(&previous, generation, now, reason),
     };
+    // The stable release: status says, else what most live pods run, else the spec's.
+    let stable = previous
+        .stable_release
+        .clone()
+        .or_else(|| majority_release(observed))
+        .unwrap_or_else(|| hash.short().to_owned());
+    // Its bundle, to render its groups again after the spec moved on (kept on its
+    // per-release Service; a mismatching hash is ignored).
+    let stable_spec = (stable != hash.short())
+        .then(|| observed.release_bundles.get(&stable))
+        .flatten()
+        .filter(|bundle| bundle_hash(bundle).short() == stable)
+        .map(|bundle| InferenceServiceSpec {
+            release: bundle.clone(),
+            ..isvc.spec.clone()
+        });
     let ctx = Context {
         name,
         namespace,
@@ -210,22 +227,86 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
         slo_ttft_ms: ttft.as_millis(),
         slo_tpot_ms: tpot.as_millis(),
     };
-    plan_valid(&ctx, &capacity, &previous, generation, observed, now)
+    let stable_ctx = if stable == ctx.release {
+        Some(ctx.clone())
+    } else {
+        stable_spec
+            .as_ref()
+            .and_then(|spec| release_context(&ctx, spec, &stable))
+    };
+    plan_valid(
+        &ctx,
+        &Stable {
+            release: &stable,
+            ctx: stable_ctx.as_ref(),
+        },
+        &capacity,
+        &previous,
+        generation,
+        observed,
+        now,
+    )
+}
+
+/// The stable release and, when its bundle is known, how to render it.
+struct Stable<'a, 'b> {
+    release: &'a str,
+    ctx: Option<&'a Context<'b>>,
+}
+
+/// The release most live pods run.
+fn majority_release(observed: &Observed) -> Option<String> {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for pod in observed
+        .pods
+        .iter()
+        .filter(|p| !p.terminating && !p.release.is_empty())
+    {
+        *counts.entry(pod.release.as_str()).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(release, _)| release.to_owned())
+}
+
+/// `base` with another release bundle (`spec` differs from base's only in `release`).
+fn release_context<'a>(
+    base: &Context<'a>,
+    spec: &'a InferenceServiceSpec,
+    release: &'a str,
+) -> Option<Context<'a>> {
+    let model = ModelStaging::parse(
+        &spec.release.model.uri,
+        spec.release.model.sha256.as_deref(),
+    )
+    .ok()?;
+    Some(Context {
+        spec,
+        release,
+        kv_namespace: spec
+            .release
+            .kv_namespace
+            .clone()
+            .unwrap_or_else(|| format!("release-{release}")),
+        model,
+        ..base.clone()
+    })
 }
 
 fn plan_valid(
     ctx: &Context<'_>,
+    stable: &Stable<'_, '_>,
     capacity: &CapacityPlan,
     previous: &InferenceServiceStatus,
     generation: i64,
     observed: &Observed,
     now: &Time,
 ) -> Plan {
-    let desired = capacity.provisioned;
     let mut apply = Vec::new();
     let mut delete = BTreeSet::new();
     let mut events = Vec::new();
-    let mut requeue: Option<Duration> = None;
+    let mut requeue: Option<Duration>;
     let mut group_services = Vec::new();
 
     let mut ready_groups = 0;
@@ -237,7 +318,99 @@ fn plan_valid(
     let mut groups_per_domain: BTreeMap<String, u32> = BTreeMap::new();
     let domain_key = &ctx.spec.capacity.fault_domain.topology_key;
 
-    for group in 0..desired {
+    // Rollout: which release each group index runs.
+    let world = ctx.shape.pods.len();
+    let mut existing: BTreeMap<u32, String> = BTreeMap::new();
+    let mut group_ready: BTreeMap<u32, bool> = BTreeMap::new();
+    for pod in &observed.pods {
+        if pod.terminating {
+            continue;
+        }
+        if pod.rank == 0 || !existing.contains_key(&pod.group) {
+            existing.insert(pod.group, pod.release.clone());
+        }
+        let on_ready_node = pod
+            .node
+            .as_ref()
+            .and_then(|node| observed.nodes.get(node))
+            .is_some_and(|node| node.ready);
+        let ok = pod.ready && on_ready_node && pod.phase == Phase::Running;
+        let entry = group_ready.entry(pod.group).or_insert(true);
+        *entry = *entry && ok;
+    }
+    let count_release = |release: &str| {
+        let mut counts = rollout::GroupCounts::default();
+        for (group, r) in &existing {
+            if r == release {
+                counts.alive += 1;
+                let live = observed
+                    .pods
+                    .iter()
+                    .filter(|p| p.group == *group && !p.terminating)
+                    .count();
+                if group_ready.get(group).copied().unwrap_or(false) && live >= world {
+                    counts.ready += 1;
+                }
+            }
+        }
+        counts
+    };
+    let state = rollout::RolloutState {
+        stable_release: previous.stable_release.clone(),
+        canary_release: previous.canary_release.clone(),
+        rollout_hold: previous.rollout_hold.clone(),
+        last_rollback: previous.last_rollback.clone(),
+        failed_releases: previous.failed_releases.clone(),
+    };
+    let decision = rollout::decide(&rollout::Input {
+        spec: &ctx.spec.rollout,
+        objective: ctx.spec.slo.availability,
+        target: ctx.release,
+        stable: stable.release,
+        previous: &state,
+        desired: capacity.provisioned,
+        needed: capacity.healthy_needed,
+        stable_groups: count_release(stable.release),
+        canary_groups: if ctx.release == stable.release {
+            rollout::GroupCounts::default()
+        } else {
+            count_release(ctx.release)
+        },
+        metrics: observed.metrics.as_ref(),
+        now,
+    });
+    let mut wants = vec![(stable.release, decision.stable_target)];
+    if let Some(canary) = &decision.canary {
+        wants.push((canary.as_str(), decision.canary_target));
+    }
+    let assignment = rollout::assign(&existing, &wants);
+    let desired = u32::try_from(assignment.len()).unwrap_or(u32::MAX);
+    events.extend(decision.events.iter().cloned());
+    requeue = decision.requeue_after;
+
+    for (&group, release) in &assignment {
+        let ctx = if *release == ctx.release {
+            ctx
+        } else if let Some(stable_ctx) = stable.ctx {
+            stable_ctx
+        } else {
+            // The stable bundle is unknown (its per-release Service is gone): its
+            // groups are left as they are and cannot be recreated.
+            let live = observed
+                .pods
+                .iter()
+                .filter(|p| p.group == group && !p.terminating)
+                .count();
+            if live > 0 && group_ready.get(&group).copied().unwrap_or(false) {
+                ready_groups += 1;
+            } else {
+                busy += 1;
+                broken.push(format!(
+                    "group {group} (release {release} cannot be recreated: its bundle is unknown)"
+                ));
+            }
+            continue;
+        };
         let pods: Vec<&ObservedPod> = observed.pods.iter().filter(|p| p.group == group).collect();
         let mut record = observed
             .groups
@@ -376,7 +549,7 @@ fn plan_valid(
     let mut orphans: Vec<&ObservedPod> = observed
         .pods
         .iter()
-        .filter(|p| p.group >= desired && !p.terminating)
+        .filter(|p| !assignment.contains_key(&p.group) && !p.terminating)
         .collect();
     orphans.sort_by(|a, b| b.group.cmp(&a.group).then(a.rank.cmp(&b.rank)));
     for pod in orphans {
@@ -391,20 +564,26 @@ fn plan_valid(
             name: name.clone(),
         });
     }
-    for record in observed.groups.iter().filter(|r| r.group >= desired) {
+    for record in observed
+        .groups
+        .iter()
+        .filter(|r| !assignment.contains_key(&r.group))
+    {
         delete.insert(ChildRef {
             kind: ChildKind::Service,
             name: labels::group_service(ctx.name, record.group),
         });
     }
     let current_release_service = labels::release_service(ctx.name, ctx.release);
-    let releases_running: BTreeSet<String> = observed
+    let mut releases_kept: BTreeSet<String> = observed
         .pods
         .iter()
         .map(|p| labels::release_service(ctx.name, &p.release))
         .collect();
+    // The stable release's Service keeps its bundle: it stays while the rollout runs.
+    releases_kept.insert(labels::release_service(ctx.name, stable.release));
     for service in &observed.release_services {
-        if *service != current_release_service && !releases_running.contains(service) {
+        if *service != current_release_service && !releases_kept.contains(service) {
             delete.insert(ChildRef {
                 kind: ChildKind::Service,
                 name: service.clone(),
@@ -427,6 +606,13 @@ fn plan_valid(
         &current_release_service,
         true,
     ))));
+    if let Some(stable_ctx) = stable.ctx.filter(|s| s.release != ctx.release) {
+        apply.push(Child::Service(Box::new(client_service(
+            stable_ctx,
+            &labels::release_service(ctx.name, stable.release),
+            true,
+        ))));
+    }
     apply.push(Child::PodDisruptionBudget(Box::new(pdb(
         ctx,
         capacity.healthy_needed,
@@ -444,8 +630,18 @@ fn plan_valid(
         },
         format!("{ready_groups} of {desired} groups ready; {needed} needed to carry peak demand"),
     )];
-    let scaling_in = observed.pods.iter().any(|p| p.group >= desired);
-    computed.push(if busy > 0 || scaling_in {
+    let scaling_in = observed
+        .pods
+        .iter()
+        .any(|p| !assignment.contains_key(&p.group));
+    computed.push(if let Some(progress) = &decision.progress {
+        Computed::new(
+            condition::PROGRESSING,
+            true,
+            "CanaryRollout",
+            progress.clone(),
+        )
+    } else if busy > 0 || scaling_in {
         Computed::new(
             condition::PROGRESSING,
             true,
@@ -492,6 +688,9 @@ fn plan_valid(
         Computed::new(condition::DEGRADED, false, "Healthy", "no group is failing")
     });
     computed.push(fault_tolerance(&groups_per_domain, capacity, domain_key));
+    if let Some(rolled_back) = rollout::rolled_back_condition(ctx.release, &decision.state) {
+        computed.push(rolled_back);
+    }
 
     for new in &computed {
         let change = conditions::change(&previous.conditions, new);
@@ -524,12 +723,11 @@ fn plan_valid(
             serving: count(serving_groups),
             updated: count(updated_groups),
         },
-        stable_release: if updated_groups >= needed && updated_groups > 0 {
-            Some(ctx.release.to_owned())
-        } else {
-            previous.stable_release.clone()
-        },
-        ..previous.clone()
+        stable_release: decision.state.stable_release.clone(),
+        canary_release: decision.state.canary_release.clone(),
+        rollout_hold: decision.state.rollout_hold.clone(),
+        last_rollback: decision.state.last_rollback.clone(),
+        failed_releases: decision.state.failed_releases.clone(),
     };
     Plan {
         apply,
@@ -724,8 +922,16 @@ fn client_service(ctx: &Context<'_>, release_name: &str, per_release: bool) -> S
     } else {
         labels::client_service(ctx.name)
     };
+    let mut metadata = meta(ctx, name, service_labels);
+    if per_release {
+        // The bundle, so this release can be rendered again after the spec moved on.
+        metadata.annotations = Some(BTreeMap::from([(
+            labels::BUNDLE.to_owned(),
+            serde_json::to_string(&ctx.spec.release).unwrap_or_default(),
+        )]));
+    }
     Service {
-        metadata: meta(ctx, name, service_labels),
+        metadata,
         spec: Some(ServiceSpec {
             selector: Some(selector),
             ports: Some(http_port()),

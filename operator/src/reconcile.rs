@@ -31,6 +31,7 @@ use crate::labels;
 use crate::metrics::Metrics;
 use crate::observed::{self, Observed};
 use crate::plan::{self, Child, ChildKind, EventType as PlannedType, Plan};
+use crate::rollout;
 
 /// Resync period: look again even when nothing changed, in case a watch missed it.
 pub const RESYNC: Duration = Duration::from_secs(300);
@@ -42,6 +43,8 @@ pub struct Context {
     pub client: Client,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
+    /// Reads the SLO counters of rollouts (scrape samples live here).
+    pub rollout_metrics: rollout::source::Reader,
 }
 
 impl Context {
@@ -54,6 +57,7 @@ impl Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             metrics,
+            rollout_metrics: rollout::source::Reader::new(),
         }
     }
 }
@@ -142,7 +146,8 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         .namespace()
         .ok_or(Error::MissingMetadata("namespace"))?;
     let name = isvc.name_any();
-    let observed = observe(&ctx.client, &namespace, &name).await?;
+    let mut observed = observe(&ctx.client, &namespace, &name).await?;
+    observed.metrics = read_rollout_metrics(isvc, &observed, ctx, &namespace, &name).await;
     // Whole seconds: what the API server stores, so an unchanged status compares equal.
     let now =
         Time(Timestamp::from_second(Timestamp::now().as_second()).unwrap_or(Timestamp::UNIX_EPOCH));
@@ -195,6 +200,52 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         (None, Some(after)) => Action::requeue(after.min(RESYNC)),
         (None, None) => Action::requeue(RESYNC),
     })
+}
+
+/// The analysis reading while a rollout is in progress (the spec names a release that
+/// is neither stable nor failed); `None` otherwise. Reads leaders only: a group serves
+/// through its rank-0 pod, so its counters are the group's.
+async fn read_rollout_metrics(
+    isvc: &InferenceService,
+    observed: &Observed,
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+) -> Option<rollout::analysis::MetricsReading> {
+    let status = isvc.status.as_ref()?;
+    let stable = status.stable_release.as_deref()?;
+    let target = slipway_api::bundle::bundle_hash(&isvc.spec.release);
+    let canary = target.short();
+    if canary == stable || status.failed_releases.iter().any(|f| f == canary) {
+        return None;
+    }
+    let targets: Vec<rollout::source::Target> = observed
+        .pods
+        .iter()
+        .filter(|p| p.rank == 0 && p.ready && !p.terminating)
+        .filter(|p| p.release == canary || p.release == stable)
+        .filter_map(|p| {
+            Some(rollout::source::Target {
+                pod: p.name.clone(),
+                ip: p.ip.clone()?,
+                release: p.release.clone(),
+            })
+        })
+        .collect();
+    let reading = ctx
+        .rollout_metrics
+        .read(
+            &format!("{namespace}/{name}"),
+            &isvc.spec.rollout.analysis,
+            canary,
+            stable,
+            &targets,
+        )
+        .await;
+    if let Some(error) = &reading.error {
+        warn!(%name, %namespace, %error, "rollout metrics unreadable; analysis is inconclusive");
+    }
+    Some(reading)
 }
 
 fn error_policy(isvc: Arc<InferenceService>, error: &Error, _ctx: Arc<Context>) -> Action {
@@ -251,8 +302,15 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
         let service_labels = service.labels();
         if let Some(record) = observed::group_from(service) {
             observed.groups.push(record);
-        } else if service_labels.contains_key(labels::RELEASE) {
+        } else if let Some(release) = service_labels.get(labels::RELEASE) {
             observed.release_services.insert(service.name_any());
+            let bundle = service
+                .annotations()
+                .get(labels::BUNDLE)
+                .and_then(|json| serde_json::from_str(json).ok());
+            if let Some(bundle) = bundle {
+                observed.release_bundles.insert(release.clone(), bundle);
+            }
         }
     }
     observed.nodes = nodes

@@ -1,0 +1,604 @@
+//! Metrics sources for rollout analysis: the counters of each release over the short
+//! and the long window, as an [`analysis::MetricsReading`].
+//!
+//! - `Scrape` (default): the operator GETs `http://<pod IP>:8000/metrics` of the
+//!   release's ready pods and keeps per-pod counter samples in memory ([`SampleStore`],
+//!   pure). Increases are summed per pod with counter resets handled (a value that went
+//!   down restarted from 0). After an operator restart the store is empty: a window
+//!   that began before the store did and whose pods already had requests is *partial*
+//!   until the window has passed, and analysis reports `MetricsWarmup` meanwhile.
+//! - `Prometheus`: instant queries over the HTTP API (`GET <url>/api/v1/query`):
+//!
+//!   ```text
+//!   good:     sum(increase(slipway_requests_slo_met_total{release="<hash>"}[<window>]))
+//!   eligible: sum(increase(slipway_requests_total{release="<hash>",outcome=~"ok|error|rejected_503"}[<window>]))
+//!   ```
+//!
+//!   An empty result (no series yet) is 0 requests, which analysis reads as
+//!   inconclusive. Prometheus holds history, so its windows are never partial.
+//!
+//! The text-format parser reads only the two counters it needs (`slipway_requests_total`
+//! with its `outcome` label and `slipway_requests_slo_met_total`); no maintained Rust
+//! crate parses the exposition format (prometheus-client only writes it), and these
+//! lines are simple: `name{label="value",...} number [timestamp]`.
+//!
+//! Test-only: `SLIPWAY_TEST_SCRAPE_ADDRESS_MAP="<pod ip>=<host:port>,..."` makes the
+//! scrape go to another address for a pod IP. The e2e tests use it because KWOK pods
+//! run no processes: their engines run on 127.0.0.1 ports.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use slipway_api::duration;
+use slipway_api::spec::{AnalysisSpec, MetricsSourceKind};
+
+use super::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
+
+/// Outcomes that count as eligible: the server served or failed the user.
+pub const ELIGIBLE_OUTCOMES: [&str; 3] = ["ok", "error", "rejected_503"];
+/// Env var of the test-only pod-IP → address map.
+pub const ADDRESS_MAP_ENV: &str = "SLIPWAY_TEST_SCRAPE_ADDRESS_MAP";
+/// Timeout of one scrape or query.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The two counters of one pod (or one release), summed over its label sets.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Counters {
+    pub good: f64,
+    pub eligible: f64,
+}
+
+/// Reads `slipway_requests_slo_met_total` and the eligible outcomes of
+/// `slipway_requests_total` for `release` from Prometheus text format. Lines it does
+/// not need, or cannot parse, are skipped.
+pub fn parse_counters(text: &str, release: &str) -> Counters {
+    let mut counters = Counters::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((name, labels, value)) = parse_line(line) else {
+            continue;
+        };
+        if labels.get("release").map(String::as_str) != Some(release) {
+            continue;
+        }
+        match name {
+            "slipway_requests_slo_met_total" => counters.good += value,
+            "slipway_requests_total"
+                if labels
+                    .get("outcome")
+                    .is_some_and(|o| ELIGIBLE_OUTCOMES.contains(&o.as_str())) =>
+            {
+                counters.eligible += value;
+            }
+            _ => {}
+        }
+    }
+    counters
+}
+
+/// `name{a="b",...} value [timestamp]` → parts; `None` when malformed.
+fn parse_line(line: &str) -> Option<(&str, BTreeMap<String, String>, f64)> {
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    let mut rest = &line[name_end..];
+    let mut labels = BTreeMap::new();
+    if let Some(body) = rest.strip_prefix('{') {
+        let mut chars = body.char_indices();
+        let mut key = String::new();
+        loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '}' => {
+                    rest = &body[i + 1..];
+                    break;
+                }
+                ',' | ' ' => {}
+                '=' => {
+                    if chars.next()?.1 != '"' {
+                        return None;
+                    }
+                    let mut value = String::new();
+                    loop {
+                        let (_, c) = chars.next()?;
+                        match c {
+                            '"' => break,
+                            '\\' => match chars.next()?.1 {
+                                'n' => value.push('\n'),
+                                other => value.push(other),
+                            },
+                            other => value.push(other),
+                        }
+                    }
+                    labels.insert(std::mem::take(&mut key), value);
+                }
+                other => key.push(other),
+            }
+        }
+    }
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    Some((name, labels, value))
+}
+
+#[derive(Debug, Clone, Default)]
+struct PodSeries {
+    release: String,
+    samples: VecDeque<(f64, Counters)>,
+    /// The pod had requests before its first sample: requests before it are unseen.
+    first_nonzero: bool,
+}
+
+/// Counter samples of every scraped pod, with the window math. Times are seconds on
+/// any monotonic clock.
+#[derive(Debug, Clone)]
+pub struct SampleStore {
+    started: f64,
+    pods: BTreeMap<String, PodSeries>,
+}
+
+impl SampleStore {
+    pub fn new(started: f64) -> Self {
+        Self {
+            started,
+            pods: BTreeMap::new(),
+        }
+    }
+
+    /// Records one scrape of one pod.
+    pub fn record(&mut self, t: f64, pod: &str, release: &str, counters: Counters) {
+        let series = self
+            .pods
+            .entry(pod.to_owned())
+            .or_insert_with(|| PodSeries {
+                release: release.to_owned(),
+                samples: VecDeque::new(),
+                first_nonzero: counters.eligible > 0.0 || counters.good > 0.0,
+            });
+        series.samples.push_back((t, counters));
+    }
+
+    /// Drops samples no window reaches any more (keeping one baseline before it).
+    pub fn prune(&mut self, t: f64, longest: f64) {
+        let horizon = t - longest;
+        for series in self.pods.values_mut() {
+            while series.samples.len() > 1 && series.samples[1].0 <= horizon {
+                series.samples.pop_front();
+            }
+        }
+        self.pods
+            .retain(|_, s| s.samples.back().is_some_and(|(at, _)| *at > horizon));
+    }
+
+    /// Increases of `release`'s counters over `(t − window, t]`.
+    pub fn window(&self, release: &str, t: f64, window: f64) -> WindowCounts {
+        let start = t - window;
+        let mut out = WindowCounts::default();
+        for series in self.pods.values().filter(|s| s.release == release) {
+            let samples = &series.samples;
+            // Baseline: the last sample at or before the window's start, else the first.
+            let base = samples
+                .iter()
+                .rposition(|(at, _)| *at <= start)
+                .unwrap_or(0);
+            if samples[base].0 > start && series.first_nonzero && self.started > start {
+                out.partial = true;
+            }
+            let mut previous = samples[base].1;
+            if samples[base].0 > start && !series.first_nonzero {
+                // Seen from its first request on: everything counts.
+                out.good += previous.good;
+                out.eligible += previous.eligible;
+            }
+            for (_, now) in samples.iter().skip(base + 1) {
+                let inc = |new: f64, old: f64| if new >= old { new - old } else { new };
+                out.good += inc(now.good, previous.good);
+                out.eligible += inc(now.eligible, previous.eligible);
+                previous = *now;
+            }
+        }
+        out
+    }
+
+    /// Whether any pod of `release` has samples.
+    pub fn has(&self, release: &str) -> bool {
+        self.pods.values().any(|s| s.release == release)
+    }
+}
+
+/// The two PromQL queries of a release over a window (seconds, as milliseconds so any
+/// duration string maps exactly).
+pub fn promql(release: &str, window: Duration) -> (String, String) {
+    let w = format!("{}ms", window.as_millis());
+    (
+        format!("sum(increase(slipway_requests_slo_met_total{{release=\"{release}\"}}[{w}]))"),
+        format!(
+            "sum(increase(slipway_requests_total{{release=\"{release}\",outcome=~\"{}\"}}[{w}]))",
+            ELIGIBLE_OUTCOMES.join("|")
+        ),
+    )
+}
+
+#[derive(Deserialize)]
+struct QueryResponse {
+    status: String,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    data: Option<QueryData>,
+}
+
+#[derive(Deserialize)]
+struct QueryData {
+    #[serde(default)]
+    result: Vec<QuerySample>,
+}
+
+#[derive(Deserialize)]
+struct QuerySample {
+    value: (serde_json::Value, String),
+}
+
+/// The scalar of an instant-vector query response (sum over its samples; none → 0).
+///
+/// # Errors
+/// A sentence when the response is not a successful vector.
+pub fn parse_query_response(body: &str) -> Result<f64, String> {
+    let response: QueryResponse =
+        serde_json::from_str(body).map_err(|e| format!("malformed query response: {e}"))?;
+    if response.status != "success" {
+        return Err(format!(
+            "query failed: {}",
+            response.error.unwrap_or(response.status)
+        ));
+    }
+    let mut total = 0.0;
+    for sample in response.data.map(|d| d.result).unwrap_or_default() {
+        let v: f64 = sample
+            .value
+            .1
+            .parse()
+            .map_err(|_| format!("not a number: {:?}", sample.value.1))?;
+        if v.is_finite() {
+            total += v;
+        }
+    }
+    Ok(total)
+}
+
+/// A pod of a release to scrape.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub pod: String,
+    pub ip: String,
+    pub release: String,
+}
+
+struct Entry {
+    store: SampleStore,
+    last: Option<(Instant, String, String, MetricsReading)>,
+}
+
+/// Reads metrics for rollouts; one per operator, shared by reconciles. Readings are
+/// reused within an analysis interval, so the status write a reading causes does not
+/// make the next reconcile read (and write) again.
+pub struct Reader {
+    http: reqwest::Client,
+    epoch: Instant,
+    address_map: HashMap<String, String>,
+    entries: Mutex<HashMap<String, Entry>>,
+}
+
+impl Default for Reader {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Reader {
+    pub fn new() -> Self {
+        let address_map = std::env::var(ADDRESS_MAP_ENV)
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|pair| pair.split_once('='))
+            .map(|(ip, addr)| (ip.trim().to_owned(), addr.trim().to_owned()))
+            .collect();
+        Self {
+            http: reqwest::Client::builder()
+                .timeout(HTTP_TIMEOUT)
+                .build()
+                .unwrap_or_default(),
+            epoch: Instant::now(),
+            address_map,
+            entries: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Reads the canary's and stable's windows for the InferenceService `key`.
+    pub async fn read(
+        &self,
+        key: &str,
+        analysis: &AnalysisSpec,
+        canary: &str,
+        stable: &str,
+        targets: &[Target],
+    ) -> MetricsReading {
+        let interval = duration::parse(&analysis.interval).unwrap_or(Duration::from_secs(30));
+        if let Some((at, c, s, reading)) = self
+            .entries
+            .lock()
+            .ok()
+            .and_then(|e| e.get(key).and_then(|e| e.last.clone()))
+            && at.elapsed() < interval
+            && c == canary
+            && s == stable
+        {
+            return reading;
+        }
+        let windows = (
+            duration::parse(&analysis.short_window).unwrap_or(Duration::from_secs(60)),
+            duration::parse(&analysis.long_window).unwrap_or(Duration::from_secs(300)),
+        );
+        let reading = match analysis.metrics.source {
+            MetricsSourceKind::Prometheus => match &analysis.metrics.prometheus {
+                Some(p) => self.prometheus(&p.url, canary, stable, windows).await,
+                None => Err("metrics.source Prometheus without metrics.prometheus.url".to_owned()),
+            },
+            MetricsSourceKind::Scrape => {
+                Ok(self.scrape(key, canary, stable, windows, targets).await)
+            }
+        };
+        let reading = reading.unwrap_or_else(|error| MetricsReading {
+            canary_release: canary.to_owned(),
+            error: Some(error),
+            ..MetricsReading::default()
+        });
+        if let Ok(mut entries) = self.entries.lock() {
+            let entry = entries.entry(key.to_owned()).or_insert_with(|| Entry {
+                store: SampleStore::new(self.epoch.elapsed().as_secs_f64()),
+                last: None,
+            });
+            entry.last = Some((
+                Instant::now(),
+                canary.to_owned(),
+                stable.to_owned(),
+                reading.clone(),
+            ));
+        }
+        reading
+    }
+
+    async fn prometheus(
+        &self,
+        url: &str,
+        canary: &str,
+        stable: &str,
+        (short, long): (Duration, Duration),
+    ) -> Result<MetricsReading, String> {
+        let mut per_release = Vec::new();
+        for release in [canary, stable] {
+            let mut windows = Vec::new();
+            for window in [short, long] {
+                let (good, eligible) = promql(release, window);
+                windows.push(WindowCounts {
+                    good: self.query(url, &good).await?,
+                    eligible: self.query(url, &eligible).await?,
+                    partial: false,
+                });
+            }
+            per_release.push(ReleaseWindows {
+                short: windows[0],
+                long: windows[1],
+            });
+        }
+        Ok(MetricsReading {
+            canary_release: canary.to_owned(),
+            canary: Some(per_release[0]),
+            stable: Some(per_release[1]),
+            error: None,
+        })
+    }
+
+    async fn query(&self, url: &str, promql: &str) -> Result<f64, String> {
+        let response = self
+            .http
+            .get(format!("{}/api/v1/query", url.trim_end_matches('/')))
+            .query(&[("query", promql)])
+            .send()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        let body = response.text().await.map_err(|e| format!("{url}: {e}"))?;
+        parse_query_response(&body)
+    }
+
+    async fn scrape(
+        &self,
+        key: &str,
+        canary: &str,
+        stable: &str,
+        (short, long): (Duration, Duration),
+        targets: &[Target],
+    ) -> MetricsReading {
+        let mut scraped = Vec::new();
+        let mut failures = Vec::new();
+        for target in targets {
+            let address = self
+                .address_map
+                .get(&target.ip)
+                .cloned()
+                .unwrap_or_else(|| format!("{}:{}", target.ip, crate::labels::ENGINE_PORT));
+            let result = async {
+                let response = self
+                    .http
+                    .get(format!("http://{address}/metrics"))
+                    .send()
+                    .await?
+                    .error_for_status()?;
+                response.text().await
+            }
+            .await;
+            match result {
+                Ok(text) => scraped.push((target, parse_counters(&text, &target.release))),
+                Err(e) => failures.push(format!("{} ({address}): {e}", target.pod)),
+            }
+        }
+        let t = self.epoch.elapsed().as_secs_f64();
+        let Ok(mut entries) = self.entries.lock() else {
+            return MetricsReading {
+                canary_release: canary.to_owned(),
+                error: Some("sample store poisoned".to_owned()),
+                ..MetricsReading::default()
+            };
+        };
+        let entry = entries.entry(key.to_owned()).or_insert_with(|| Entry {
+            store: SampleStore::new(t),
+            last: None,
+        });
+        for (target, counters) in scraped {
+            entry
+                .store
+                .record(t, &target.pod, &target.release, counters);
+        }
+        entry.store.prune(t, long.as_secs_f64());
+        let windows = |release: &str| {
+            entry.store.has(release).then(|| ReleaseWindows {
+                short: entry.store.window(release, t, short.as_secs_f64()),
+                long: entry.store.window(release, t, long.as_secs_f64()),
+            })
+        };
+        MetricsReading {
+            canary_release: canary.to_owned(),
+            canary: windows(canary),
+            stable: windows(stable),
+            // Any unreadable canary pod makes the reading incomplete: not evidence.
+            error: failures
+                .iter()
+                .any(|f| {
+                    targets
+                        .iter()
+                        .any(|t| t.release == canary && f.starts_with(&t.pod))
+                })
+                .then(|| failures.join("; ")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = r#"# HELP slipway_requests_total Requests by outcome.
+# TYPE slipway_requests_total counter
+slipway_requests_total{model="smol",release="abc",outcome="ok"} 90
+slipway_requests_total{model="smol",release="abc",outcome="error"} 4
+slipway_requests_total{model="smol",release="abc",outcome="rejected_503"} 6
+slipway_requests_total{model="smol",release="abc",outcome="rejected_429"} 50
+slipway_requests_total{model="smol",release="abc",outcome="cancelled"} 7
+slipway_requests_total{model="smol",release="other",outcome="ok"} 1000
+slipway_requests_slo_met_total{model="smol \"q\"",release="abc"} 80 1700000000000
+slipway_requests_slo_met_created{model="smol",release="abc"} 1.7e9
+# EOF
+"#;
+
+    #[test]
+    fn parses_only_eligible_outcomes_of_the_release() {
+        assert_eq!(
+            parse_counters(TEXT, "abc"),
+            Counters {
+                good: 80.0,
+                eligible: 100.0
+            }
+        );
+        assert_eq!(
+            parse_counters(TEXT, "other"),
+            Counters {
+                good: 0.0,
+                eligible: 1000.0
+            }
+        );
+    }
+
+    fn c(good: f64, eligible: f64) -> Counters {
+        Counters { good, eligible }
+    }
+
+    #[test]
+    fn windows_sum_increases_across_pods_and_resets() {
+        let mut store = SampleStore::new(0.0);
+        // Pod a seen from its start; pod b restarts (counter drops) at t=40.
+        for (t, a, b) in [
+            (0.0, c(0.0, 0.0), c(0.0, 0.0)),
+            (20.0, c(10.0, 10.0), c(5.0, 10.0)),
+            (40.0, c(20.0, 20.0), c(2.0, 3.0)),
+            (60.0, c(30.0, 30.0), c(4.0, 6.0)),
+        ] {
+            store.record(t, "a", "r", a);
+            store.record(t, "b", "r", b);
+        }
+        let long = store.window("r", 60.0, 100.0);
+        assert_eq!(
+            (long.good, long.eligible, long.partial),
+            (39.0, 46.0, false)
+        );
+        let short = store.window("r", 60.0, 20.0);
+        assert_eq!((short.good, short.eligible), (12.0, 13.0));
+        assert_eq!(store.window("other", 60.0, 20.0), WindowCounts::default());
+    }
+
+    #[test]
+    fn a_store_started_after_requests_is_partial_until_the_window_passes() {
+        let mut store = SampleStore::new(100.0);
+        store.record(100.0, "a", "r", c(500.0, 500.0));
+        store.record(130.0, "a", "r", c(530.0, 540.0));
+        let w = store.window("r", 130.0, 60.0);
+        assert!(w.partial);
+        assert_eq!((w.good, w.eligible), (30.0, 40.0));
+        store.record(170.0, "a", "r", c(560.0, 580.0));
+        let w = store.window("r", 170.0, 60.0);
+        assert!(!w.partial, "the window now starts after the store did");
+        // From the last sample at or before the window's start (t=100).
+        assert_eq!((w.good, w.eligible), (60.0, 80.0));
+    }
+
+    #[test]
+    fn prune_keeps_one_baseline() {
+        let mut store = SampleStore::new(0.0);
+        for t in 0..10 {
+            store.record(f64::from(t) * 10.0, "a", "r", c(f64::from(t), f64::from(t)));
+        }
+        store.prune(90.0, 30.0);
+        let w = store.window("r", 90.0, 30.0);
+        assert_eq!(w.eligible, 3.0);
+    }
+
+    #[test]
+    fn promql_queries_name_the_release_and_outcomes() {
+        let (good, eligible) = promql("abc1234567", Duration::from_secs(300));
+        assert_eq!(
+            good,
+            r#"sum(increase(slipway_requests_slo_met_total{release="abc1234567"}[300000ms]))"#
+        );
+        assert_eq!(
+            eligible,
+            r#"sum(increase(slipway_requests_total{release="abc1234567",outcome=~"ok|error|rejected_503"}[300000ms]))"#
+        );
+    }
+
+    #[test]
+    fn query_responses() {
+        let ok = r#"{"status":"success","data":{"resultType":"vector","result":[{"metric":{},"value":[1700000000.1,"12.5"]}]}}"#;
+        assert_eq!(parse_query_response(ok), Ok(12.5));
+        let empty = r#"{"status":"success","data":{"resultType":"vector","result":[]}}"#;
+        assert_eq!(parse_query_response(empty), Ok(0.0));
+        let bad = r#"{"status":"error","errorType":"bad_data","error":"parse error"}"#;
+        assert!(
+            parse_query_response(bad)
+                .unwrap_err()
+                .contains("parse error")
+        );
+        assert!(parse_query_response("<html>").is_err());
+    }
+}
