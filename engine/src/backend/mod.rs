@@ -11,14 +11,18 @@
 //!   are fine);
 //! - the result holds the logits each chunk asked for, in chunk order.
 //!
-//! The CPU backend ([`cpu`]) implements it today; a CUDA backend will implement the
-//! same trait.
+//! The CPU backend ([`cpu`]) and the device backend ([`cuda`]: CUDA kernels on a GPU
+//! with feature `cuda`, or their CPU twins) implement it; [`select`] picks one at run
+//! time.
 
 pub mod cpu;
+pub mod cuda;
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use crate::model::llama::LlamaConfig;
+use crate::model::gguf::GgufFile;
+use crate::model::llama::{LlamaConfig, LlamaWeights};
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +118,159 @@ pub enum BackendError {
     /// A kernel rejected its operands (an engine bug, reported instead of panicking).
     #[error(transparent)]
     Kernel(#[from] crate::kernels::KernelError),
+    /// The device (GPU) failed.
+    #[error(transparent)]
+    Device(#[from] cuda::device::DeviceError),
+}
+
+/// Checks a batch against the contract in the module docs for a store of `num_blocks`
+/// blocks of `block_size` positions.
+///
+/// # Errors
+/// [`BackendError::InvalidBatch`] naming the first offending sequence.
+pub fn validate_batch(
+    batch: &Batch,
+    vocab: usize,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<(), BackendError> {
+    let mut written = std::collections::HashSet::new();
+    for (i, s) in batch.seqs.iter().enumerate() {
+        let bad = |m: String| Err(BackendError::InvalidBatch(format!("sequence {i}: {m}")));
+        if s.tokens.is_empty() {
+            return bad("no tokens".into());
+        }
+        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("token {t} outside the vocabulary of {vocab}"));
+        }
+        let end = s.start_pos + s.tokens.len();
+        let need = end.div_ceil(block_size);
+        if s.block_table.len() < need {
+            return bad(format!(
+                "block table of {} blocks cannot hold {end} positions",
+                s.block_table.len()
+            ));
+        }
+        if let Some(b) = s.block_table[..need]
+            .iter()
+            .find(|&&b| b as usize >= num_blocks)
+        {
+            return bad(format!("block {b} outside the KV store of {num_blocks}"));
+        }
+        for bi in s.start_pos / block_size..need {
+            if !written.insert(s.block_table[bi]) {
+                return bad(format!(
+                    "block {} is written by two sequences",
+                    s.block_table[bi]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Which backend to run on (`serve --device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend; failing when it cannot start.
+    Cuda,
+    /// CUDA when it starts, else the CPU backend (with a log line saying why).
+    #[default]
+    Auto,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!("unknown device {other:?} (cpu, cuda or auto)")),
+        }
+    }
+}
+
+/// The backend [`select`] started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend.
+    Cuda,
+}
+
+/// Settings of both backends, for [`select`].
+#[derive(Clone, Debug, Default)]
+pub struct BackendOptions {
+    /// The CPU backend's.
+    pub cpu: cpu::CpuConfig,
+    /// The CUDA backend's.
+    pub cuda: cuda::runner::DeviceConfig,
+    /// GPU ordinal.
+    pub gpu: usize,
+}
+
+/// Errors of [`select`].
+#[derive(Debug, thiserror::Error)]
+pub enum SelectError {
+    /// The CUDA backend could not start (and CUDA was asked for).
+    #[error("CUDA backend unavailable: {0}")]
+    CudaUnavailable(String),
+    /// The model could not be loaded for the CPU backend.
+    #[error(transparent)]
+    Model(#[from] crate::model::llama::ModelError),
+    /// The CPU backend could not start.
+    #[error("CPU backend: {0}")]
+    Cpu(String),
+}
+
+#[cfg(feature = "cuda")]
+fn start_cuda(
+    file: &GgufFile,
+    options: &BackendOptions,
+) -> Result<Box<dyn ModelRunner + Send>, String> {
+    let dev = cuda::gpu::CudaDevice::open(options.gpu).map_err(|e| e.to_string())?;
+    let runner = cuda::runner::DeviceRunner::new(dev, file, options.cuda.clone())
+        .map_err(|e| e.to_string())?;
+    Ok(Box::new(runner))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn start_cuda(
+    _file: &GgufFile,
+    _options: &BackendOptions,
+) -> Result<Box<dyn ModelRunner + Send>, String> {
+    Err("this binary was built without the `cuda` feature".into())
+}
+
+/// Starts the backend `choice` names for the model in `file`.
+///
+/// # Errors
+/// [`SelectError::CudaUnavailable`] when CUDA was asked for and cannot start; model or
+/// CPU backend errors otherwise.
+pub fn select(
+    choice: DeviceChoice,
+    file: &GgufFile,
+    options: &BackendOptions,
+) -> Result<(Box<dyn ModelRunner + Send>, Device), SelectError> {
+    if choice != DeviceChoice::Cpu {
+        match start_cuda(file, options) {
+            Ok(runner) => return Ok((runner, Device::Cuda)),
+            Err(reason) if choice == DeviceChoice::Cuda => {
+                return Err(SelectError::CudaUnavailable(reason));
+            }
+            Err(reason) => {
+                tracing::warn!(%reason, "CUDA backend unavailable; using the CPU backend");
+            }
+        }
+    }
+    let weights = Arc::new(LlamaWeights::from_gguf(file)?);
+    let runner = cpu::CpuBackend::new(weights, &options.cpu).map_err(SelectError::Cpu)?;
+    Ok((Box::new(runner), Device::Cpu))
 }
 
 /// A model that can run batched forward steps against its own paged KV store.
