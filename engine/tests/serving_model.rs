@@ -49,6 +49,7 @@ fn engine(max_num_seqs: usize) -> (EngineHandle, Tokenizer) {
             },
         },
         command_capacity: 64,
+        ..EngineConfig::default()
     };
     let (handle, _task) = spawn(Box::new(runner), config).expect("config");
     (handle, tokenizer)

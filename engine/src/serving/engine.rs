@@ -11,12 +11,21 @@
 //! Shutdown: when every handle is dropped the command channel closes and the actor
 //! ends every request with [`Event::Error`] and returns the runner. A send to a
 //! closed actor is reported as [`EngineError::Closed`], never a panic.
+//! [`EngineHandle::abort_all`] ends every request the same way without stopping the
+//! actor (the end of a drain's shutdown budget).
+//!
+//! Metrics: the actor alone sees the scheduler, so it keeps the gauges (running,
+//! waiting, KV usage), the token and prefix-cache counters and the queue-time
+//! histogram of [`ServingMetrics`] current, after every command batch and step.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
 use super::block_manager::CacheKey;
+use super::metrics::ServingMetrics;
 use super::scheduler::{
     AddError, FinishReason, ModelOutput, RequestId, SchedRequest, Scheduler, SchedulerConfig,
 };
@@ -33,6 +42,9 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Capacity of the command channel (back-pressure on submitters).
     pub command_capacity: usize,
+    /// Test-only fault injection: a pause added after every step that generates
+    /// tokens (a slow release for rollout tests). Zero in production.
+    pub inject_step_delay: Duration,
 }
 
 impl Default for EngineConfig {
@@ -40,6 +52,7 @@ impl Default for EngineConfig {
         Self {
             scheduler: SchedulerConfig::default(),
             command_capacity: 1024,
+            inject_step_delay: Duration::ZERO,
         }
     }
 }
@@ -130,6 +143,7 @@ enum Command {
     },
     Cancel(RequestId),
     Stats(oneshot::Sender<EngineStats>),
+    AbortAll(String),
 }
 
 /// A cloneable handle to the actor.
@@ -184,6 +198,18 @@ impl EngineHandle {
             .map_err(|_| EngineError::Closed)
     }
 
+    /// Ends every admitted request now with [`Event::Error`] carrying `message`,
+    /// freeing their blocks; the engine keeps serving new requests.
+    ///
+    /// # Errors
+    /// [`EngineError::Closed`] after shutdown.
+    pub async fn abort_all(&self, message: impl Into<String>) -> Result<(), EngineError> {
+        self.tx
+            .send(Command::AbortAll(message.into()))
+            .await
+            .map_err(|_| EngineError::Closed)
+    }
+
     /// The engine's current state.
     ///
     /// # Errors
@@ -204,9 +230,36 @@ struct Active {
     history: Vec<u32>,
     prompt_tokens: usize,
     generated: usize,
+    submitted: Instant,
+    scheduled: bool,
 }
 
-/// Starts the actor on the current tokio runtime.
+/// What the loop owns besides the runner.
+struct Actor {
+    s: Scheduler,
+    active: HashMap<RequestId, Active>,
+    metrics: Arc<ServingMetrics>,
+    /// Prefix-cache counters already added to the metrics.
+    prefix_seen: (u64, u64),
+}
+
+impl Actor {
+    /// Brings the gauges and prefix-cache counters up to date.
+    fn publish(&mut self) {
+        let st = stats_of(&self.s);
+        let m = &self.metrics;
+        m.running.set(st.running as i64);
+        m.waiting.set(st.waiting as i64);
+        m.kv_usage.set(st.kv_usage);
+        m.prefix_queries
+            .inc_by(st.prefix_queries.saturating_sub(self.prefix_seen.0));
+        m.prefix_hits
+            .inc_by(st.prefix_hits.saturating_sub(self.prefix_seen.1));
+        self.prefix_seen = (st.prefix_queries, st.prefix_hits);
+    }
+}
+
+/// Starts the actor on the current tokio runtime, with metrics of its own.
 ///
 /// # Errors
 /// An invalid config.
@@ -214,10 +267,28 @@ pub fn spawn(
     runner: BoxedRunner,
     config: EngineConfig,
 ) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), String> {
+    spawn_with_metrics(runner, config, Arc::new(ServingMetrics::new("", "")))
+}
+
+/// Starts the actor on the current tokio runtime, keeping `metrics` current.
+///
+/// # Errors
+/// An invalid config.
+pub fn spawn_with_metrics(
+    runner: BoxedRunner,
+    config: EngineConfig,
+    metrics: Arc<ServingMetrics>,
+) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), String> {
     config.validate()?;
     let scheduler = Scheduler::new(config.scheduler.clone())?;
     let (tx, rx) = mpsc::channel(config.command_capacity);
-    let task = tokio::spawn(run(runner, scheduler, rx));
+    let actor = Actor {
+        s: scheduler,
+        active: HashMap::new(),
+        metrics,
+        prefix_seen: (0, 0),
+    };
+    let task = tokio::spawn(run(runner, actor, rx, config.inject_step_delay));
     Ok((
         EngineHandle {
             tx,
@@ -240,7 +311,8 @@ fn stats_of(s: &Scheduler) -> EngineStats {
     }
 }
 
-fn handle(cmd: Command, s: &mut Scheduler, active: &mut HashMap<RequestId, Active>) {
+fn handle(cmd: Command, a: &mut Actor) {
+    let (s, active) = (&mut a.s, &mut a.active);
     match cmd {
         Command::Submit {
             id,
@@ -256,6 +328,7 @@ fn handle(cmd: Command, s: &mut Scheduler, active: &mut HashMap<RequestId, Activ
                 cache_key: req.cache_key,
             });
             if added.is_ok() {
+                a.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
                 active.insert(
                     id,
                     Active {
@@ -264,6 +337,8 @@ fn handle(cmd: Command, s: &mut Scheduler, active: &mut HashMap<RequestId, Activ
                         prompt_tokens: req.prompt.len(),
                         history: req.prompt,
                         generated: 0,
+                        submitted: Instant::now(),
+                        scheduled: false,
                     },
                 );
             }
@@ -280,6 +355,13 @@ fn handle(cmd: Command, s: &mut Scheduler, active: &mut HashMap<RequestId, Activ
             // Streams dropped before this command are gone in the answer.
             reap(s, active);
             let _ = reply.send(stats_of(s));
+        }
+        Command::AbortAll(message) => {
+            s.finish_all();
+            for (id, a) in active.drain() {
+                tracing::warn!(request = id, %message, "request aborted");
+                let _ = a.events.send(Event::Error(message.clone()));
+            }
         }
     }
 }
@@ -309,37 +391,49 @@ fn finished(a: &Active, reason: FinishReason, cached_tokens: usize) -> Event {
 
 async fn run(
     mut runner: BoxedRunner,
-    mut s: Scheduler,
+    mut a: Actor,
     mut rx: mpsc::Receiver<Command>,
+    inject_step_delay: Duration,
 ) -> BoxedRunner {
-    let mut active: HashMap<RequestId, Active> = HashMap::new();
     'outer: loop {
-        if s.is_idle() {
+        if a.s.is_idle() {
             match rx.recv().await {
-                Some(cmd) => handle(cmd, &mut s, &mut active),
+                Some(cmd) => handle(cmd, &mut a),
                 None => break 'outer,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(cmd) => handle(cmd, &mut s, &mut active),
+                Ok(cmd) => handle(cmd, &mut a),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => break 'outer,
             }
         }
         // Disconnected clients free their blocks before the next step.
-        reap(&mut s, &mut active);
-        let out = s.schedule();
+        reap(&mut a.s, &mut a.active);
+        let out = a.s.schedule();
+        a.publish();
         if out.is_empty() {
             // Nothing runnable (everything just finished or was cancelled): wait for
             // the next command instead of spinning.
-            if !s.is_idle() {
+            if !a.s.is_idle() {
                 match rx.recv().await {
-                    Some(cmd) => handle(cmd, &mut s, &mut active),
+                    Some(cmd) => handle(cmd, &mut a),
                     None => break 'outer,
                 }
             }
             continue;
+        }
+        let now = Instant::now();
+        for seq in &out.seqs {
+            if let Some(r) = a.active.get_mut(&seq.id)
+                && !r.scheduled
+            {
+                r.scheduled = true;
+                a.metrics
+                    .queue_time
+                    .observe(now.duration_since(r.submitted).as_secs_f64());
+            }
         }
         let batch = out.batch();
         let joined = tokio::task::spawn_blocking(move || {
@@ -356,9 +450,9 @@ async fn run(
                 runner = r;
                 tracing::error!(%error, "forward step failed; its requests are ended");
                 for seq in &out.seqs {
-                    s.finish(seq.id);
-                    if let Some(a) = active.remove(&seq.id) {
-                        let _ = a
+                    a.s.finish(seq.id);
+                    if let Some(r) = a.active.remove(&seq.id) {
+                        let _ = r
                             .events
                             .send(Event::Error(format!("engine error: {error}")));
                     }
@@ -368,45 +462,52 @@ async fn run(
             Err(join) => {
                 // The runner panicked and is lost: nothing more can be served.
                 tracing::error!(error = %join, "forward step panicked; engine stops");
-                for (_, a) in active.drain() {
-                    let _ = a.events.send(Event::Error("engine failure".into()));
+                for (_, r) in a.active.drain() {
+                    let _ = r.events.send(Event::Error("engine failure".into()));
                 }
                 std::panic::resume_unwind(join.into_panic());
             }
         };
-        let sampled = out
+        let sampled: Vec<Option<u32>> = out
             .seqs
             .iter()
             .enumerate()
             .map(|(i, seq)| {
                 let row = logits.last_of(i).filter(|_| seq.samples)?;
-                let a = active.get_mut(&seq.id)?;
-                Some(a.sampler.sample(row, &a.history))
+                let r = a.active.get_mut(&seq.id)?;
+                Some(r.sampler.sample(row, &r.history))
             })
             .collect();
-        for o in s.update(&out, &ModelOutput { sampled }) {
-            let Some(a) = active.get_mut(&o.id) else {
+        if !inject_step_delay.is_zero() && sampled.iter().any(Option::is_some) {
+            // Test-only fault injection (--inject-delay-ms): a slower decode step.
+            tokio::time::sleep(inject_step_delay).await;
+        }
+        for o in a.s.update(&out, &ModelOutput { sampled }) {
+            let Some(r) = a.active.get_mut(&o.id) else {
                 continue;
             };
             let mut alive = true;
             if let Some(t) = o.token {
-                a.history.push(t);
-                a.generated += 1;
-                alive = a.events.send(Event::Token(t)).is_ok();
+                r.history.push(t);
+                r.generated += 1;
+                a.metrics.generation_tokens.inc();
+                alive = r.events.send(Event::Token(t)).is_ok();
             }
             if let Some(reason) = o.finished {
-                let _ = a.events.send(finished(a, reason, o.cached_tokens));
-                active.remove(&o.id);
+                let _ = r.events.send(finished(r, reason, o.cached_tokens));
+                a.active.remove(&o.id);
             } else if !alive {
-                s.finish(o.id);
-                active.remove(&o.id);
+                a.s.finish(o.id);
+                a.active.remove(&o.id);
             }
         }
+        a.publish();
     }
-    for (_, a) in active.drain() {
-        let _ = a.events.send(Event::Error("the engine shut down".into()));
+    for (_, r) in a.active.drain() {
+        let _ = r.events.send(Event::Error("the engine shut down".into()));
     }
-    s.finish_all();
+    a.s.finish_all();
+    a.publish();
     runner
 }
 

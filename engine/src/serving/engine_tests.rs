@@ -88,6 +88,7 @@ fn config(num_blocks: usize, max_num_seqs: usize) -> EngineConfig {
             },
         },
         command_capacity: 16,
+        ..EngineConfig::default()
     }
 }
 
@@ -196,4 +197,67 @@ async fn rejects_and_shuts_down_cleanly() {
     drop(h2);
     let runner = task.await.expect("actor ends without panicking");
     assert_eq!(runner.kv_geometry().num_blocks, 8);
+}
+
+#[tokio::test]
+async fn abort_all_ends_every_request_with_an_error_and_the_engine_keeps_serving() {
+    let (h, _task) = spawn(Box::new(FakeRunner::new(64)), config(64, 2)).expect("config");
+    // Two running and one waiting, all long.
+    let mut streams = Vec::new();
+    for i in 0..3u32 {
+        streams.push(
+            h.submit(request(vec![2 + i; 6], 200))
+                .await
+                .expect("accepted"),
+        );
+    }
+    assert!(matches!(
+        streams[0].events.recv().await,
+        Some(Event::Token(_))
+    ));
+    h.abort_all("shutdown budget over").await.expect("running");
+    for s in streams {
+        let (_, end) = collect(s).await;
+        assert_eq!(end, Event::Error("shutdown budget over".into()));
+    }
+    let st = h.stats().await.expect("running");
+    assert_eq!((st.running, st.waiting, st.free_blocks), (0, 0, 64));
+    let s = h.submit(request(vec![2; 4], 3)).await.expect("accepted");
+    assert_eq!(collect(s).await.0.len(), 3);
+}
+
+#[tokio::test]
+async fn metrics_follow_the_engine() {
+    let metrics = Arc::new(ServingMetrics::new("m", "r"));
+    let (h, _task) = spawn_with_metrics(
+        Box::new(FakeRunner::new(64)),
+        config(64, 4),
+        Arc::clone(&metrics),
+    )
+    .expect("config");
+    let mut s = h.submit(request(vec![2; 9], 200)).await.expect("accepted");
+    assert!(matches!(s.events.recv().await, Some(Event::Token(_))));
+    // While it runs it holds KV and counts as running.
+    let _ = h.stats().await.expect("running");
+    assert_eq!(metrics.running.get(), 1);
+    assert!(metrics.kv_usage.get() > 0.0);
+    drop(s);
+    let _ = h.stats().await.expect("running");
+    // The next turn (another request) publishes the freed state.
+    let s = h.submit(request(vec![2; 9], 5)).await.expect("accepted");
+    assert_eq!(collect(s).await.0.len(), 5);
+    let _ = h.stats().await.expect("running");
+    assert_eq!(metrics.running.get(), 0);
+    assert_eq!(metrics.waiting.get(), 0);
+    assert!(metrics.kv_usage.get().abs() < 1e-12);
+    assert_eq!(metrics.prompt_tokens.get(), 18);
+    assert!(metrics.generation_tokens.get() >= 6);
+    // The second prompt shares the first's two full 4-token blocks.
+    assert_eq!(metrics.prefix_queries.get(), 18);
+    assert_eq!(metrics.prefix_hits.get(), 8);
+    let text = metrics.prometheus_text();
+    assert!(
+        text.contains("slipway_request_queue_time_seconds_count{model=\"m\",release=\"r\"} 2"),
+        "{text}"
+    );
 }

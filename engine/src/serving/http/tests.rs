@@ -12,13 +12,20 @@ use crate::backend::cpu::{CpuBackend, CpuConfig};
 use crate::model::gguf::GgufFile;
 use crate::model::llama::LlamaWeights;
 use crate::serving::block_manager::BlockManagerConfig;
-use crate::serving::engine::{EngineConfig, spawn};
+use crate::serving::engine::{EngineConfig, spawn_with_metrics};
+use crate::serving::metrics::ServingMetrics;
 use crate::serving::scheduler::SchedulerConfig;
 use crate::testing::model_path;
 
 const MODEL: &str = "smollm2";
 
 fn state() -> Arc<AppState> {
+    state_with(admission::AdmissionConfig::default(), ApiConfig::default())
+}
+
+/// A state on the real model with these admission limits and API settings (the
+/// pool-dependent and model-dependent fields are filled in here).
+fn state_with(adm: admission::AdmissionConfig, api: ApiConfig) -> Arc<AppState> {
     let path = model_path();
     let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let weights = Arc::new(LlamaWeights::from_gguf(&file).expect("weights"));
@@ -45,16 +52,36 @@ fn state() -> Arc<AppState> {
             },
         },
         command_capacity: 16,
+        ..EngineConfig::default()
     };
-    let (engine, _task) = spawn(Box::new(runner), config).expect("config");
-    Arc::new(AppState::new(
-        engine,
-        Arc::new(tokenizer),
-        Some(template),
-        MODEL.into(),
-        "test".into(),
-        512,
-    ))
+    let metrics = Arc::new(ServingMetrics::new(MODEL, "test"));
+    let (engine, _task) =
+        spawn_with_metrics(Box::new(runner), config, Arc::clone(&metrics)).expect("config");
+    let admission = Admission::new(admission::AdmissionConfig {
+        max_num_seqs: 8,
+        kv_budget_blocks: g.num_blocks,
+        block_size: g.block_size,
+        ..adm
+    })
+    .expect("admission");
+    Arc::new(
+        AppState::new(
+            engine,
+            ModelText {
+                tokenizer: Arc::new(tokenizer),
+                template: Some(template),
+            },
+            ApiConfig {
+                model_name: MODEL.into(),
+                kv_namespace: "test".into(),
+                max_model_len: 512,
+                ..api
+            },
+            admission,
+            metrics,
+        )
+        .expect("state"),
+    )
 }
 
 async fn send(
@@ -300,6 +327,15 @@ async fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
             ),
         ),
         (
+            "image content part",
+            "/v1/chat/completions",
+            Body::from(
+                json!({"model": MODEL, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+                .to_string(),
+            ),
+        ),
+        (
             "empty messages",
             "/v1/chat/completions",
             Body::from(json!({"model": MODEL, "messages": []}).to_string()),
@@ -368,4 +404,196 @@ async fn drain_turns_ready_off_and_refuses_new_requests_with_retry_after() {
         send(&app, "GET", "/health", Body::empty(), false).await.0,
         StatusCode::OK
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_content_may_be_a_list_of_text_parts() {
+    let app = router(state());
+    let ask = |content: Value| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+               "max_tokens": 6, "temperature": 0})
+    };
+    let (s, plain) = post(&app, "/v1/chat/completions", &ask(json!("Say hi.\nNow."))).await;
+    assert_eq!(s, StatusCode::OK, "{plain}");
+    let (s, parts) = post(
+        &app,
+        "/v1/chat/completions",
+        &ask(json!([{"type": "text", "text": "Say hi."}, {"type": "text", "text": "Now."}])),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{parts}");
+    // Parts are joined with newlines: the same prompt, so the same greedy answer.
+    assert_eq!(
+        plain["usage"]["prompt_tokens"],
+        parts["usage"]["prompt_tokens"]
+    );
+    assert_eq!(
+        plain["choices"][0]["message"]["content"],
+        parts["choices"][0]["message"]["content"]
+    );
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            let (name, v) = l.rsplit_once(' ')?;
+            (name == series).then(|| v.parse().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("{series} not in:\n{text}"))
+}
+
+async fn completion_tokens(r: Response) -> f64 {
+    let b = axum::body::to_bytes(r.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    let v: Value = serde_json::from_slice(&b).expect("json");
+    v["usage"]["completion_tokens"].as_f64().expect("usage")
+}
+
+async fn post_as(app: &Router, tenant: &str, v: &Value) -> Response {
+    let req = HttpRequest::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .header("x-tenant", tenant)
+        .body(Body::from(v.to_string()))
+        .expect("request");
+    app.clone().oneshot(req).await.expect("infallible")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_over_their_rate_get_429_and_metrics_count_outcomes() {
+    let st = state_with(
+        admission::AdmissionConfig {
+            tenant_rate: Some(admission::TenantRate {
+                tokens_per_s: 0.5,
+                burst: 40.0,
+            }),
+            ..admission::AdmissionConfig::default()
+        },
+        ApiConfig::default(),
+    );
+    let app = router(Arc::clone(&st));
+    // Each costs its prompt plus 16 tokens: the burst of 40 holds one at a time.
+    let req = json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0});
+    let mut generated = Vec::new();
+    let r = post_as(&app, "alice", &req).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    generated.push(completion_tokens(r).await);
+    let r = post_as(&app, "alice", &req).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert!(retry >= 1, "{retry}");
+    let b = axum::body::to_bytes(r.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    let v: Value = serde_json::from_slice(&b).expect("json");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    // Another tenant is not limited by alice's use.
+    let r = post_as(&app, "bob", &req).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    generated.push(completion_tokens(r).await);
+    let total: f64 = generated.iter().sum();
+
+    let (s, text, _) = send(&app, "GET", "/metrics", Body::empty(), false).await;
+    assert_eq!(s, StatusCode::OK);
+    let l = |o: &str| {
+        format!("slipway_requests_total{{model=\"{MODEL}\",release=\"test\",outcome=\"{o}\"}}")
+    };
+    assert_eq!(metric(&text, &l("ok")), 2.0);
+    assert_eq!(metric(&text, &l("rejected_429")), 1.0);
+    assert_eq!(metric(&text, &l("rejected_503")), 0.0);
+    let lab = format!("{{model=\"{MODEL}\",release=\"test\"}}");
+    assert_eq!(
+        metric(&text, &format!("slipway_generation_tokens_total{lab}")),
+        total
+    );
+    assert_eq!(
+        metric(
+            &text,
+            &format!("slipway_time_to_first_token_seconds_count{lab}")
+        ),
+        2.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            &format!("slipway_e2e_request_latency_seconds_count{lab}")
+        ),
+        2.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            &format!("slipway_inter_token_latency_seconds_count{lab}")
+        ),
+        total - 2.0
+    );
+    assert_eq!(
+        metric(&text, &format!("slipway_num_requests_running{lab}")),
+        0.0
+    );
+    assert_eq!(
+        metric(&text, &format!("slipway_kv_cache_usage_perc{lab}")),
+        0.0
+    );
+    let prompt = metric(&text, &format!("slipway_prompt_tokens_total{lab}"));
+    assert_eq!(
+        metric(&text, &format!("slipway_prefix_cache_queries_total{lab}")),
+        prompt
+    );
+    // The default SLO (2 s / 150 ms) is easily met by 16 tokens of this model; the
+    // exact count is not asserted on a shared machine, only its bounds.
+    assert!(metric(&text, &format!("slipway_requests_slo_met_total{lab}")) <= 2.0);
+    // OpenMetrics on request.
+    let req = HttpRequest::builder()
+        .uri("/metrics")
+        .header("accept", "application/openmetrics-text;version=1.0.0")
+        .body(Body::empty())
+        .expect("request");
+    let r = app.clone().oneshot(req).await.expect("infallible");
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .expect("ascii")
+            .starts_with("application/openmetrics-text")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_faults_fail_that_share_of_requests_with_500() {
+    let always = state_with(
+        admission::AdmissionConfig::default(),
+        ApiConfig {
+            faults: FaultConfig {
+                error_rate: 1.0,
+                seed: 7,
+            },
+            ..ApiConfig::default()
+        },
+    );
+    let app = router(Arc::clone(&always));
+    let (s, v) = post(
+        &app,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    assert_eq!(v["error"]["type"], "server_error");
+    assert_eq!(always.metrics.requests(Outcome::Error), 1);
+    assert_eq!(always.admission.load().in_flight, 0);
+    // A rate outside [0, 1] is refused.
+    let bad = ApiConfig {
+        faults: FaultConfig {
+            error_rate: 1.5,
+            seed: 0,
+        },
+        ..ApiConfig::default()
+    };
+    assert!(bad.validate().is_err());
 }

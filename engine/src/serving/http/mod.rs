@@ -1,0 +1,415 @@
+//! The OpenAI-compatible HTTP API (axum): `/v1/completions`, `/v1/chat/completions`
+//! (SSE streaming and not), `/v1/models`, `/health`, `/ready`, `/metrics`,
+//! `/admin/drain`.
+//!
+//! Handlers never touch scheduler state: they validate ([`openai_types`]), pass
+//! admission ([`crate::serving::admission`]), submit to the [`EngineHandle`] and turn
+//! its event stream into text ([`stream`]). Every failure is one [`ApiError`] with an
+//! OpenAI-style body, malformed JSON included; every response carries
+//! `x-request-id`, and every log line of a request runs in a span with it.
+//!
+//! Order for a generation request: parse and validate (4xx, not counted as an
+//! outcome) → draining? (503) → admission (429/503 with `Retry-After`) → fault
+//! injection, test-only (500) → submit. From admission on, a [`track::Tracker`]
+//! counts the request once in `slipway_requests_total` when it ends.
+//!
+//! Tenants: the `Authorization: Bearer` key when there is one (a digest of it, never
+//! the key itself, is kept), else the `x-tenant` header; neither → no tenant limit.
+
+mod errors;
+mod openai_types;
+mod stream;
+mod track;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::Sse;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use rand::{Rng as _, SeedableRng as _};
+use serde_json::{Value, json};
+use sha2::Digest as _;
+use tracing::Instrument;
+
+pub use errors::{ApiError, DRAIN_RETRY_AFTER_SECS};
+pub use openai_types::MAX_STOPS;
+
+use openai_types::{ChatBody, CompletionBody, Prepared, chat_messages, parse, prepare};
+use stream::{Detok, Meta};
+use track::Tracker;
+
+use super::admission::{self, Admission, Rejection};
+use super::engine::{EngineError, EngineHandle};
+use super::metrics::{Outcome, ServingMetrics, SloTargets};
+use super::text::StopMatcher;
+use crate::template::{ChatTemplate, RenderOptions};
+use crate::tokenizer::{DecodeOptions, IncrementalDecoder, Tokenizer};
+
+/// Largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// Test-only fault injection (`--inject-error-rate`): a seeded fraction of admitted
+/// requests fail with a 500.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FaultConfig {
+    /// Fraction of admitted requests that fail, 0..=1 (0: off).
+    pub error_rate: f64,
+    /// Seed of the draw, so a test run is repeatable.
+    pub seed: u64,
+}
+
+impl Default for FaultConfig {
+    fn default() -> Self {
+        Self {
+            error_rate: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Settings of the API.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiConfig {
+    /// Name served in `model` fields and `/v1/models`.
+    pub model_name: String,
+    /// KV namespace of this release (prefix-cache separation).
+    pub kv_namespace: String,
+    /// Context length.
+    pub max_model_len: usize,
+    /// `max_tokens` when a request does not say.
+    pub default_max_tokens: usize,
+    /// The SLO latency targets counted in `slipway_requests_slo_met_total`.
+    pub slo: SloTargets,
+    /// Test-only faults.
+    pub faults: FaultConfig,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "model".into(),
+            kv_namespace: "default".into(),
+            max_model_len: 2048,
+            default_max_tokens: 256,
+            slo: SloTargets::default(),
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+impl ApiConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_model_len < 2 || self.default_max_tokens == 0 {
+            return Err("max_model_len must be ≥ 2 and default_max_tokens ≥ 1".into());
+        }
+        let r = self.faults.error_rate;
+        if !(0.0..=1.0).contains(&r) {
+            return Err(format!("inject-error-rate must be in [0, 1], got {r}"));
+        }
+        Ok(())
+    }
+}
+
+/// The model's text side: tokenizer and chat template.
+pub struct ModelText {
+    /// The tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The chat template, if the model has one.
+    pub template: Option<ChatTemplate>,
+}
+
+/// What the handlers share.
+pub struct AppState {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's chat template, if it has one.
+    pub template: Option<ChatTemplate>,
+    /// Settings.
+    pub config: ApiConfig,
+    /// Admission control.
+    pub admission: Arc<Admission>,
+    /// The process's metrics (shared with the engine actor).
+    pub metrics: Arc<ServingMetrics>,
+    /// False while draining or before warm-up.
+    pub ready: AtomicBool,
+    /// Signalled by `POST /admin/drain` (the server then drains as on SIGTERM).
+    pub drain: tokio::sync::Notify,
+    faults: Mutex<rand::rngs::StdRng>,
+    next_request: AtomicU64,
+}
+
+impl AppState {
+    /// State for a loaded, ready engine.
+    ///
+    /// # Errors
+    /// An invalid config.
+    pub fn new(
+        engine: EngineHandle,
+        model: ModelText,
+        config: ApiConfig,
+        admission: Arc<Admission>,
+        metrics: Arc<ServingMetrics>,
+    ) -> Result<Self, String> {
+        config.validate()?;
+        Ok(Self {
+            engine,
+            tokenizer: model.tokenizer,
+            template: model.template,
+            faults: Mutex::new(rand::rngs::StdRng::seed_from_u64(config.faults.seed)),
+            config,
+            admission,
+            metrics,
+            ready: AtomicBool::new(true),
+            drain: tokio::sync::Notify::new(),
+            next_request: AtomicU64::new(1),
+        })
+    }
+
+    /// Whether this request draws an injected fault.
+    fn inject_fault(&self) -> bool {
+        let rate = self.config.faults.error_rate;
+        rate > 0.0
+            && self
+                .faults
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .random::<f64>()
+                < rate
+    }
+}
+
+/// The routes, apart from serving them.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/admin/drain", post(drain))
+        .fallback(|| async { ApiError::bad("no such endpoint", None) })
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            request_id,
+        ))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Gives every request an id (the client's `x-request-id` if sane), a span with it,
+/// and the header on the response.
+async fn request_id(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(
+            || format!("req-{}", state.next_request.fetch_add(1, Ordering::Relaxed)),
+            str::to_string,
+        );
+    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut resp = next.run(req).instrument(span.clone()).await;
+    span.in_scope(|| tracing::info!(status = resp.status().as_u16(), "done"));
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+#[derive(Clone, Debug)]
+struct RequestId(String);
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        ApiError::unavailable("draining", DRAIN_RETRY_AFTER_SECS).into_response()
+    }
+}
+
+/// Prometheus text 0.0.4, or OpenMetrics when the scraper asks for it.
+async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let openmetrics = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/openmetrics-text"));
+    let (body, ctype) = if openmetrics {
+        (
+            state.metrics.openmetrics(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )
+    } else {
+        (
+            state.metrics.prometheus_text(),
+            "text/plain; version=0.0.4; charset=utf-8",
+        )
+    };
+    ([(header::CONTENT_TYPE, ctype)], body).into_response()
+}
+
+/// Stops admitting at once (`/ready` false, new requests 503) and wakes the server's
+/// drain, which lets admitted requests finish.
+async fn drain(State(state): State<Arc<AppState>>) -> Json<Value> {
+    state.ready.store(false, Ordering::Relaxed);
+    state.drain.notify_one();
+    tracing::info!("drain requested");
+    Json(json!({"draining": true}))
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": state.config.model_name, "object": "model", "created": 0, "owned_by": "slipway"
+    }]}))
+}
+
+/// The tenant of a request: a digest of its bearer key, else its `x-tenant`.
+fn tenant(headers: &HeaderMap) -> Option<String> {
+    let key = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|k| !k.is_empty());
+    if let Some(k) = key {
+        let d = sha2::Sha256::digest(k.as_bytes());
+        return Some(format!("key:{}", hex::encode(&d[..8])));
+    }
+    headers
+        .get("x-tenant")
+        .and_then(|v| v.to_str().ok())
+        .filter(|t| !t.is_empty() && t.len() <= 128)
+        .map(|t| format!("tenant:{t}"))
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    axum::Extension(rid): axum::Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let b: CompletionBody = parse(body, "prompt")?;
+    let prompt = state.tokenizer.encode(&b.prompt);
+    let p = prepare(
+        &state.config,
+        state.tokenizer.eog_tokens(),
+        prompt,
+        b.common,
+        false,
+    )?;
+    run(state, p, rid, tenant(&headers), arrived).await
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    axum::Extension(rid): axum::Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let b: ChatBody = parse(body, "messages")?;
+    let messages = chat_messages(&b.messages)?;
+    let template = state.template.as_ref().ok_or_else(|| {
+        ApiError::bad("this model has no chat template; use /v1/completions", None)
+    })?;
+    let text = template
+        .render(&messages, RenderOptions::default())
+        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
+    let prompt = state.tokenizer.encode(&text);
+    let p = prepare(
+        &state.config,
+        state.tokenizer.eog_tokens(),
+        prompt,
+        b.common,
+        true,
+    )?;
+    run(state, p, rid, tenant(&headers), arrived).await
+}
+
+/// Admits and submits a validated request, then answers it.
+async fn run(
+    state: Arc<AppState>,
+    p: Prepared,
+    rid: RequestId,
+    tenant: Option<String>,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let m = &state.metrics;
+    if !state.ready.load(Ordering::Relaxed) {
+        m.request_ended(Outcome::Rejected503);
+        return Err(ApiError::unavailable(
+            "the server is draining; retry on another replica",
+            DRAIN_RETRY_AFTER_SECS,
+        ));
+    }
+    let block_size = state.admission.config().block_size;
+    let cost = admission::cost(p.gen_req.prompt.len(), p.gen_req.max_tokens, block_size);
+    let permit = match state.admission.try_admit(tenant.as_deref(), cost, arrived) {
+        Ok(permit) => permit,
+        Err(r) => {
+            match r {
+                Rejection::NeverFits { .. } => {}
+                Rejection::TenantRate { .. } => m.request_ended(Outcome::Rejected429),
+                _ => m.request_ended(Outcome::Rejected503),
+            }
+            tracing::info!(reason = %r, "refused at admission");
+            return Err(r.into());
+        }
+    };
+    let mut tracker = Tracker::new(Arc::clone(m), state.config.slo, permit, arrived);
+    if state.inject_fault() {
+        tracker.finish(Outcome::Error);
+        return Err(ApiError::Internal(
+            "injected fault (--inject-error-rate, a test-only setting)".into(),
+        ));
+    }
+    let stream = match state.engine.submit(p.gen_req.clone()).await {
+        Ok(s) => s,
+        Err(EngineError::Closed) => {
+            tracker.finish(Outcome::Error);
+            return Err(ApiError::unavailable(
+                "the engine is shutting down",
+                DRAIN_RETRY_AFTER_SECS,
+            ));
+        }
+        Err(EngineError::Rejected(r)) => {
+            tracker.forget();
+            return Err(ApiError::bad(r.to_string(), None));
+        }
+    };
+    let detok = Detok {
+        tokenizer: Arc::clone(&state.tokenizer),
+        decoder: IncrementalDecoder::new(DecodeOptions { skip_special: true }),
+        stops: StopMatcher::new(p.stops.clone()),
+    };
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let id = format!("{}-{}", if p.chat { "chatcmpl" } else { "cmpl" }, rid.0);
+    let streaming = p.stream;
+    let meta = Meta { p, id, created };
+    if streaming {
+        Ok(Sse::new(stream::sse(stream, detok, meta, tracker)).into_response())
+    } else {
+        stream::collect(stream, detok, meta, tracker).await
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,430 @@
+//! The engine's Prometheus metrics (the contract the operator's rollout analysis and
+//! Prometheus queries read), exposed at `GET /metrics` by `slipway-engine serve`.
+//!
+//! Every series carries the labels `model` and `release` (the `--release` flag), and
+//! `slipway_requests_total` also `outcome`; nothing else, so cardinality stays fixed:
+//! - counter `slipway_requests_total{outcome}`, outcome ∈ ok | rejected_429 |
+//!   rejected_503 | cancelled | error; a request counts once, when it ends;
+//! - counter `slipway_requests_slo_met_total`: successful requests whose TTFT ≤
+//!   `--slo-ttft-ms` and TPOT ≤ `--slo-tpot-ms` (TPOT = (E2E − TTFT)/(N_out − 1); a
+//!   one-token output meets TPOT trivially) — see [`meets_slo`];
+//! - histograms (seconds) `slipway_time_to_first_token_seconds`,
+//!   `slipway_inter_token_latency_seconds`, `slipway_e2e_request_latency_seconds`,
+//!   `slipway_request_queue_time_seconds`;
+//! - gauges `slipway_num_requests_running`, `slipway_num_requests_waiting`,
+//!   `slipway_kv_cache_usage_perc` (a fraction, 0..1);
+//! - counters `slipway_prompt_tokens_total`, `slipway_generation_tokens_total`,
+//!   `slipway_prefix_cache_queries_total`, `slipway_prefix_cache_hits_total` (tokens).
+//!
+//! The Gateway API Inference Extension's model-server protocol (the endpoint picker
+//! that routes by load) needs a waiting-queue size and a KV-cache utilisation: point
+//! its model-server metric mapping at `slipway_num_requests_waiting` (queue size) and
+//! `slipway_kv_cache_usage_perc` (KV utilisation, 0..1, as vLLM's
+//! `vllm:kv_cache_usage_perc`).
+//!
+//! Who writes what: the engine actor owns the gauges, the token and prefix-cache
+//! counters and the queue-time histogram (it alone sees the scheduler); the HTTP
+//! layer owns outcomes, SLO and the client-side latencies (TTFT is measured from the
+//! request's arrival to its first token leaving the engine).
+//!
+//! Two text formats: Prometheus text 0.0.4 (the default; `promtool check metrics`
+//! reads it) and OpenMetrics 1.0 for scrapers that ask for it in `Accept`.
+//! prometheus-client writes OpenMetrics, where a counter's family is named without
+//! `_total`; [`openmetrics_to_prometheus_text`] renames counter families so the
+//! 0.0.4 text names them as their samples.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// How a request ended, as counted in `slipway_requests_total{outcome}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Completed (EOS, stop string or length).
+    Ok,
+    /// Refused: the tenant is over its token rate.
+    Rejected429,
+    /// Refused: overloaded, draining, or could not start before its deadline.
+    Rejected503,
+    /// The client cancelled or went away.
+    Cancelled,
+    /// The server failed it (engine error, shutdown timeout, injected fault).
+    Error,
+}
+
+impl Outcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 5] = [
+        Self::Ok,
+        Self::Rejected429,
+        Self::Rejected503,
+        Self::Cancelled,
+        Self::Error,
+    ];
+
+    /// The `outcome` label value.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Rejected429 => "rejected_429",
+            Self::Rejected503 => "rejected_503",
+            Self::Cancelled => "cancelled",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// Latency targets of the SLO (the CRD's `slo.ttft`/`slo.tpot` thresholds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SloTargets {
+    /// Time to first token.
+    pub ttft: Duration,
+    /// Time per output token after the first.
+    pub tpot: Duration,
+}
+
+impl Default for SloTargets {
+    /// The CRD's defaults: TTFT 2 s, TPOT 150 ms.
+    fn default() -> Self {
+        Self {
+            ttft: Duration::from_secs(2),
+            tpot: Duration::from_millis(150),
+        }
+    }
+}
+
+/// Whether a successful request met both latency targets: TTFT ≤ target and TPOT =
+/// (E2E − TTFT)/(N_out − 1) ≤ target; a one-token output meets TPOT trivially, and a
+/// request without a first token has no TTFT and so does not meet it.
+#[must_use]
+pub fn meets_slo(ttft: Option<Duration>, e2e: Duration, n_out: usize, slo: &SloTargets) -> bool {
+    let Some(ttft) = ttft else {
+        return false;
+    };
+    if ttft > slo.ttft {
+        return false;
+    }
+    if n_out < 2 {
+        return true;
+    }
+    let tpot = e2e.saturating_sub(ttft).as_secs_f64() / (n_out - 1) as f64;
+    tpot <= slo.tpot.as_secs_f64()
+}
+
+type OutcomeLabel = [(&'static str, &'static str); 1];
+
+/// The metrics of one serving process. Cloning the metric handles inside shares
+/// them, so the actor and the HTTP layer update the same series.
+#[derive(Debug)]
+pub struct ServingMetrics {
+    registry: Registry,
+    requests: Family<OutcomeLabel, Counter>,
+    slo_met: Counter,
+    /// Arrival to first token.
+    pub ttft: Histogram,
+    /// Between consecutive tokens of a request.
+    pub inter_token: Histogram,
+    /// Arrival to the last token.
+    pub e2e: Histogram,
+    /// Queued in the engine until first scheduled.
+    pub queue_time: Histogram,
+    /// Requests running (holding KV).
+    pub running: Gauge,
+    /// Requests waiting in the engine's queue.
+    pub waiting: Gauge,
+    /// Fraction of KV blocks in use.
+    pub kv_usage: Gauge<f64, AtomicU64>,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: Counter,
+    /// Generated tokens.
+    pub generation_tokens: Counter,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queries: Counter,
+    /// Of those, tokens found.
+    pub prefix_hits: Counter,
+}
+
+fn buckets(b: &[f64]) -> Histogram {
+    Histogram::new(b.iter().copied())
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+const TOKEN_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+];
+const E2E_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+];
+
+impl ServingMetrics {
+    /// Registers every series with the labels `model` and `release`. Every outcome
+    /// of `slipway_requests_total` starts at 0, so rates exist from the first scrape.
+    #[must_use]
+    pub fn new(model: &str, release: &str) -> Self {
+        let labels = [
+            (Cow::Borrowed("model"), Cow::Owned(model.to_owned())),
+            (Cow::Borrowed("release"), Cow::Owned(release.to_owned())),
+        ];
+        let mut registry = Registry::with_labels(labels.into_iter());
+        let m = Self {
+            requests: Family::default(),
+            slo_met: Counter::default(),
+            ttft: buckets(LATENCY_BUCKETS),
+            inter_token: buckets(TOKEN_BUCKETS),
+            e2e: buckets(E2E_BUCKETS),
+            queue_time: buckets(LATENCY_BUCKETS),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_usage: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            registry: Registry::default(),
+        };
+        for o in Outcome::ALL {
+            let _ = m.requests.get_or_create(&[("outcome", o.as_str())]);
+        }
+        // Counter names are given without `_total`: the encoder appends it.
+        let r = &mut registry;
+        r.register(
+            "slipway_requests",
+            "Requests by how they ended (counted once, at the end)",
+            m.requests.clone(),
+        );
+        r.register(
+            "slipway_requests_slo_met",
+            "Successful requests whose TTFT and TPOT met --slo-ttft-ms and --slo-tpot-ms",
+            m.slo_met.clone(),
+        );
+        r.register(
+            "slipway_time_to_first_token_seconds",
+            "Request arrival to its first generated token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "slipway_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            m.inter_token.clone(),
+        );
+        r.register(
+            "slipway_e2e_request_latency_seconds",
+            "Request arrival to its last token, successful requests",
+            m.e2e.clone(),
+        );
+        r.register(
+            "slipway_request_queue_time_seconds",
+            "Time a request waited in the engine's queue before its first step",
+            m.queue_time.clone(),
+        );
+        r.register(
+            "slipway_num_requests_running",
+            "Requests running (holding KV blocks)",
+            m.running.clone(),
+        );
+        r.register(
+            "slipway_num_requests_waiting",
+            "Requests waiting in the engine's queue (the inference gateway's queue size)",
+            m.waiting.clone(),
+        );
+        r.register(
+            "slipway_kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use, 0..1 (the inference gateway's KV utilisation)",
+            m.kv_usage.clone(),
+        );
+        r.register(
+            "slipway_prompt_tokens",
+            "Prompt tokens of admitted requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "slipway_generation_tokens",
+            "Generated tokens",
+            m.generation_tokens.clone(),
+        );
+        r.register(
+            "slipway_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_queries.clone(),
+        );
+        r.register(
+            "slipway_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            m.prefix_hits.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// Counts a request that ended.
+    pub fn request_ended(&self, outcome: Outcome) {
+        self.requests
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .inc();
+    }
+
+    /// The count of one outcome so far.
+    #[must_use]
+    pub fn requests(&self, outcome: Outcome) -> u64 {
+        self.requests
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .get()
+    }
+
+    /// Counts a successful request that met the SLO.
+    pub fn slo_met(&self) {
+        self.slo_met.inc();
+    }
+
+    /// Successful requests that met the SLO so far.
+    #[must_use]
+    pub fn slo_met_count(&self) -> u64 {
+        self.slo_met.get()
+    }
+
+    /// OpenMetrics 1.0 text (prometheus-client's own format, ends with `# EOF`).
+    #[must_use]
+    pub fn openmetrics(&self) -> String {
+        let mut s = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
+        s
+    }
+
+    /// Prometheus text format 0.0.4.
+    #[must_use]
+    pub fn prometheus_text(&self) -> String {
+        openmetrics_to_prometheus_text(&self.openmetrics())
+    }
+}
+
+/// Rewrites OpenMetrics text as Prometheus text 0.0.4: counter families take their
+/// samples' `_total` name in `# HELP`/`# TYPE`, and `# UNIT`/`# EOF` (unknown to
+/// 0.0.4) go. Samples are the same in both formats.
+#[must_use]
+pub fn openmetrics_to_prometheus_text(om: &str) -> String {
+    let counters: HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|r| r.split_once(' '))
+        .filter(|(_, kind)| *kind == "counter")
+        .map(|(name, _)| name)
+        .collect();
+    let mut out = String::with_capacity(om.len() + 64);
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn slo_needs_ttft_and_tpot_within_target() {
+        let slo = SloTargets {
+            ttft: ms(100),
+            tpot: ms(10),
+        };
+        // 11 tokens, 100 ms after the first: TPOT 10 ms.
+        assert!(meets_slo(Some(ms(100)), ms(200), 11, &slo));
+        assert!(!meets_slo(Some(ms(101)), ms(200), 11, &slo));
+        assert!(!meets_slo(Some(ms(100)), ms(201), 11, &slo));
+        // One token: TPOT is met trivially, TTFT still counts.
+        assert!(meets_slo(Some(ms(50)), ms(5000), 1, &slo));
+        assert!(!meets_slo(Some(ms(150)), ms(150), 1, &slo));
+        // No first token: no TTFT, not met.
+        assert!(!meets_slo(None, ms(1), 0, &slo));
+    }
+
+    #[test]
+    fn exposition_has_the_contract_names_and_labels() {
+        let m = ServingMetrics::new("smol", "abc123");
+        m.request_ended(Outcome::Ok);
+        m.request_ended(Outcome::Rejected503);
+        m.slo_met();
+        m.ttft.observe(0.2);
+        m.kv_usage.set(0.25);
+        m.prefix_hits.inc_by(192);
+        let text = m.prometheus_text();
+        for name in [
+            "slipway_requests_total",
+            "slipway_requests_slo_met_total",
+            "slipway_time_to_first_token_seconds_bucket",
+            "slipway_inter_token_latency_seconds_count",
+            "slipway_e2e_request_latency_seconds_sum",
+            "slipway_request_queue_time_seconds_count",
+            "slipway_num_requests_running",
+            "slipway_num_requests_waiting",
+            "slipway_kv_cache_usage_perc",
+            "slipway_prompt_tokens_total",
+            "slipway_generation_tokens_total",
+            "slipway_prefix_cache_queries_total",
+            "slipway_prefix_cache_hits_total",
+        ] {
+            assert!(text.contains(name), "{name} missing:\n{text}");
+        }
+        assert!(
+            text.contains("# TYPE slipway_requests_total counter"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"));
+        let ok = text
+            .lines()
+            .find(|l| l.starts_with("slipway_requests_total{") && l.contains("outcome=\"ok\""))
+            .expect("ok series");
+        assert!(ok.contains("model=\"smol\"") && ok.contains("release=\"abc123\""));
+        assert!(ok.ends_with(" 1"), "{ok}");
+        // Every outcome is exposed from the start.
+        for o in Outcome::ALL {
+            assert!(
+                text.contains(&format!("outcome=\"{}\"", o.as_str())),
+                "{o:?}"
+            );
+        }
+        assert!(
+            text.contains("slipway_kv_cache_usage_perc{model=\"smol\",release=\"abc123\"} 0.25"),
+            "{text}"
+        );
+        assert!(m.openmetrics().ends_with("# EOF\n"));
+        assert_eq!(m.requests(Outcome::Rejected503), 1);
+        assert_eq!(m.slo_met_count(), 1);
+    }
+
+    #[test]
+    fn only_counter_families_are_renamed() {
+        let om = "# HELP a_b Some.\n# TYPE a_b counter\na_b_total 1\n# HELP g G.\n# TYPE g gauge\ng 2\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_prometheus_text(om),
+            "# HELP a_b_total Some.\n# TYPE a_b_total counter\na_b_total 1\n# HELP g G.\n# TYPE g gauge\ng 2\n"
+        );
+    }
+}
