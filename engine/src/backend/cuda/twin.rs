@@ -147,18 +147,31 @@ pub struct MatShape {
 }
 
 /// `matvec_*` / `matmul_*`: `y[t * ldy + yoff + r] = sum_k W[r][k] x[t][k]`.
+///
+/// Rows are computed in parallel on the current rayon pool (the twin runs the whole
+/// model in tests); each output is one sequential f32 sum, whatever the split.
 pub fn matmul(fmt: QuantFormat, w: &[u8], x: &[f32], y: &mut [f32], s: MatShape) {
+    use rayon::prelude::*;
     let nb = s.cols / QK;
     let bb = fmt.block_bytes();
-    let mut wrow = vec![0f32; s.cols];
+    // Row-major [row][token] first, so rows can go to threads; then scattered.
+    let mut by_row = vec![0f32; s.rows * s.n];
+    by_row
+        .par_chunks_mut(s.n.max(1))
+        .enumerate()
+        .for_each(|(r, out)| {
+            let row = &w[r * nb * bb..][..nb * bb];
+            let wrow: Vec<f32> = (0..s.cols)
+                .map(|k| dequant(fmt, &row[k / QK * bb..], k % QK))
+                .collect();
+            for (t, o) in out.iter_mut().enumerate() {
+                let xr = &x[t * s.cols..][..s.cols];
+                *o = wrow.iter().zip(xr).map(|(a, b)| a * b).sum();
+            }
+        });
     for r in 0..s.rows {
-        let row = &w[r * nb * bb..][..nb * bb];
-        for (k, v) in wrow.iter_mut().enumerate() {
-            *v = dequant(fmt, &row[k / QK * bb..], k % QK);
-        }
         for t in 0..s.n {
-            let xr = &x[t * s.cols..][..s.cols];
-            y[t * s.ldy + s.yoff + r] = wrow.iter().zip(xr).map(|(a, b)| a * b).sum();
+            y[t * s.ldy + s.yoff + r] = by_row[r * s.n + t];
         }
     }
 }
