@@ -379,7 +379,13 @@ fn plan_valid(
         metrics: observed.metrics.as_ref(),
         now,
     });
-    let mut wants = vec![(stable.release, decision.stable_target)];
+    // After a promotion the canary is the stable release already in this plan.
+    let stable_now = decision
+        .state
+        .stable_release
+        .as_deref()
+        .unwrap_or(stable.release);
+    let mut wants = vec![(stable_now, decision.stable_target)];
     if let Some(canary) = &decision.canary {
         wants.push((canary.as_str(), decision.canary_target));
     }
@@ -698,7 +704,9 @@ fn plan_valid(
             events.push(event);
         }
     }
-    if previous.replicas.desired != i32::try_from(desired).unwrap_or(i32::MAX) {
+    // During a rollout `desired` moves with the surge; the rollout events say why.
+    let rolling = decision.canary.is_some() || previous.canary_release.is_some();
+    if !rolling && previous.replicas.desired != i32::try_from(desired).unwrap_or(i32::MAX) {
         events.insert(
             0,
             PlannedEvent {
