@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod fetch;
 pub mod generate;
 pub mod kernels;
 pub mod kv;

@@ -1,8 +1,9 @@
 //! `slipway-engine`: the engine's command line.
 //!
 //! Subcommands are variants of [`Command`], each with its own `clap::Args` struct
-//! and `run_*` function; `generate` and `score` join `tokenize` here. The engine
-//! never downloads: `--model` (or `SLIPWAY_MODEL`) names a local GGUF file.
+//! and `run_*` function; `generate` and `score` join `tokenize` here. Serving
+//! never downloads: `--model` (or `SLIPWAY_MODEL`) names a local GGUF file, which
+//! `fetch` (the operator's init container) stages beforehand for network sources.
 //! Results go to stdout; logs go to stderr (`RUST_LOG` filters them).
 
 mod commands;
@@ -37,6 +38,9 @@ enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching,
     /// prefix cache, SSE streaming); drains on SIGTERM or POST /admin/drain.
     Serve(serve::ServeArgs),
+    /// Download a model file from an http(s) URL into --dest, verified by its sha256:
+    /// resumable, retried with backoff, bounded by timeouts (the operator's init container).
+    Fetch(slipway_engine::fetch::FetchArgs),
 }
 
 /// Where the model file is.
@@ -63,7 +67,10 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // `fetch`'s progress lines are its log, so they show by default.
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("warn,slipway_engine::fetch=info")
+                }),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -74,6 +81,9 @@ fn main() -> anyhow::Result<()> {
         Command::Score(args) => commands::run_score(&args),
         Command::Bench(args) => commands::run_bench(&args),
         Command::Serve(args) => serve::run_serve(&args),
+        Command::Fetch(args) => slipway_engine::fetch::run(&args)
+            .map(drop)
+            .map_err(Into::into),
     }
 }
 
