@@ -8,7 +8,27 @@ ENGINE_SCRIPTS := engine/scripts
 
 # The engine tests on the real model fail (never skip) without it, so the test
 # targets fetch it first; fetch-model is a no-op once the verified file is cached.
-test-unit: model
+# engine/tests/serve_process.rs runs `promtool check metrics` on real /metrics
+# output, so the test targets install promtool first (Debian `prometheus`).
+test-unit: model serving-tools
+
+.PHONY: serving-tools test-serve test-openai-client
+serving-tools:
+	@scripts/ensure-debian-packages promtool=prometheus
+
+test-serve: model serving-tools ## engine serving over real HTTP: drain, overload, disconnects, prefix cache, promtool, OpenAI Python client
+	$(CARGO) test --locked -p slipway-engine --test serve_process
+	$(MAKE) --no-print-directory test-openai-client
+
+# The official OpenAI Python client (pinned in engine/tests/python/requirements.txt,
+# venv under $SLIPWAY_CACHE/venv-openai) against `slipway-engine serve` on the real
+# model. The engine is the test profile's build (the engine crate is optimised
+# there), shared with `cargo test`.
+test-openai-client: model ## the official OpenAI Python client against slipway-engine serve (chat/completions, streaming, usage, stop)
+	$(CARGO) build --locked -p slipway-engine --bin slipway-engine
+	engine/tests/python/run-openai-client $(CARGO_TARGET_DIR)/debug/slipway-engine
+
+test: test-openai-client
 
 model: ## fetch (once) and sha256-verify the SmolLM2-135M-Instruct Q4_1 GGUF into $SLIPWAY_CACHE/models; prints its path
 	@$(ENGINE_SCRIPTS)/fetch-model
