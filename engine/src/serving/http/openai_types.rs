@@ -56,6 +56,9 @@ pub(super) struct Common {
     cache_salt: Option<String>,
     #[serde(default)]
     user: Option<String>,
+    /// vLLM's extension: generate exactly `max_tokens` (benchmarks rely on it).
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 /// `POST /v1/completions`.
@@ -100,6 +103,7 @@ const COMMON_FIELDS: &[&str] = &[
     "n",
     "cache_salt",
     "user",
+    "ignore_eos",
 ];
 
 /// Parses a body that has the common fields plus `own`.
@@ -295,7 +299,11 @@ pub(super) fn prepare(
             prompt,
             max_tokens,
             sampling,
-            eos: eos.to_vec(),
+            eos: if c.ignore_eos {
+                Vec::new()
+            } else {
+                eos.to_vec()
+            },
             cache_key: CacheKey {
                 namespace: config.kv_namespace.clone(),
                 adapter: None,

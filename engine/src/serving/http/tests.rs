@@ -597,3 +597,21 @@ async fn injected_faults_fail_that_share_of_requests_with_500() {
     };
     assert!(bad.validate().is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignore_eos_generates_exactly_max_tokens() {
+    let app = router(state());
+    let body = |ignore: bool| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
+               "max_tokens": 64, "temperature": 0, "ignore_eos": ignore})
+    };
+    // The model ends this answer by itself well within 64 tokens...
+    let (s, v) = post(&app, "/v1/chat/completions", &body(false)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    // ...unless told to ignore end-of-generation tokens.
+    let (s, v) = post(&app, "/v1/chat/completions", &body(true)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 64, "{v}");
+}
