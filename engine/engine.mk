@@ -51,3 +51,18 @@ fuzz-gguf: ## fuzz the GGUF reader, tokenizer and template for FUZZ_SECONDS (def
 # same run: pp512, tg128, aggregate decode @16 and @64.
 bench-model: ## our engine vs llama.cpp on the same GGUF in the same run: pp512, tg128, aggregate decode @16/@64
 	@$(ENGINE_SCRIPTS)/bench-model
+
+.PHONY: serve-chat-demo
+# Starts `slipway-engine serve` (release build) on the real model, asks one chat
+# question with curl, prints the answer and stops the server.
+serve-chat-demo: model ## start slipway-engine serve on the real model and answer one chat request
+	$(CARGO) build --release --locked -p slipway-engine
+	@set -e; model="$$(engine/scripts/fetch-model)"; log="$$(mktemp)"; \
+	  $(CARGO_TARGET_DIR)/release/slipway-engine serve --model "$$model" --port 0 \
+	    --served-model-name smollm2 >"$$log" 2>&1 & pid=$$!; \
+	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null; rm -f "$$log"' EXIT; \
+	  for i in $$(seq 1 600); do url="$$(sed -n 's/^listening on //p' "$$log")"; [ -n "$$url" ] && break; \
+	    kill -0 $$pid 2>/dev/null || { cat "$$log" >&2; exit 1; }; sleep 0.1; done; \
+	  [ -n "$$url" ] || { echo "serve did not start" >&2; exit 1; }; \
+	  curl -sS --fail-with-body "$$url/v1/chat/completions" -H 'content-type: application/json' \
+	    -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}'; echo
