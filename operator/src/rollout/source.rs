@@ -299,13 +299,21 @@ impl Default for Reader {
 }
 
 impl Reader {
+    /// A reader; the test-only address map comes from [`ADDRESS_MAP_ENV`].
     pub fn new() -> Self {
-        let address_map = std::env::var(ADDRESS_MAP_ENV)
-            .unwrap_or_default()
-            .split(',')
-            .filter_map(|pair| pair.split_once('='))
-            .map(|(ip, addr)| (ip.trim().to_owned(), addr.trim().to_owned()))
-            .collect();
+        Self::with_address_map(
+            std::env::var(ADDRESS_MAP_ENV)
+                .unwrap_or_default()
+                .split(',')
+                .filter_map(|pair| pair.split_once('='))
+                .map(|(ip, addr)| (ip.trim().to_owned(), addr.trim().to_owned()))
+                .collect(),
+        )
+    }
+
+    /// A reader that scrapes `address_map[pod IP]` instead of `<pod IP>:8000` for the
+    /// IPs it names (test-only: engines on 127.0.0.1 ports standing in for pods).
+    pub fn with_address_map(address_map: HashMap<String, String>) -> Self {
         Self {
             http: reqwest::Client::builder()
                 .timeout(HTTP_TIMEOUT)

@@ -1,0 +1,259 @@
+//! The `Scrape` metrics source against real `slipway-engine serve` processes on the
+//! real SmolLM2 model: a stable engine, and a canary engine with test-only fault
+//! injection (`--inject-delay-ms`) that breaks the TPOT target. The reader maps the
+//! "pod IPs" it is given to the engines' 127.0.0.1 ports (the test-only address map of
+//! `rollout::source`, standing in for the pod network), reads both releases' windows
+//! from `/metrics`, and analysis must abort the canary on its burn rate while stable
+//! burns nothing.
+//!
+//! Needs the engine binary (built by the workspace tests, or `SLIPWAY_ENGINE_BIN`) and
+//! the model (`make model`, or `SLIPWAY_MODEL`); a missing one fails with instructions.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use slipway_api::spec::AnalysisSpec;
+use slipway_operator::rollout::analysis::{Thresholds, Verdict, judge};
+use slipway_operator::rollout::source::{Reader, Target};
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL_NAME: &str = "smol";
+const REQUESTS: usize = 12;
+
+fn model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("SLIPWAY_MODEL") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "SLIPWAY_MODEL={} does not exist; unset it and run `make model`",
+            p.display()
+        );
+        return p;
+    }
+    let cache = std::env::var_os("SLIPWAY_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/slipway")))
+        .unwrap_or_else(|| PathBuf::from(".cache/slipway"));
+    let p = cache.join("models").join(MODEL_FILE);
+    assert!(
+        p.is_file(),
+        "test model not found at {}: run `make model` (or set SLIPWAY_MODEL)",
+        p.display()
+    );
+    p
+}
+
+/// `slipway-engine` in this test's target directory (`target/<profile>/`).
+fn engine_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SLIPWAY_ENGINE_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps")
+        .join(format!("slipway-engine{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} not found: `cargo build -p slipway-engine` (the workspace tests build it), or set SLIPWAY_ENGINE_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// An engine process, killed when dropped.
+struct Engine {
+    child: Child,
+    /// host:port
+    address: String,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_engine(release: &str, extra: &[&str]) -> Engine {
+    let mut child = Command::new(engine_bin())
+        .args(["serve", "--model"])
+        .arg(model_path())
+        .args([
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--kv-blocks",
+            "256",
+            "--max-model-len",
+            "512",
+            "--served-model-name",
+            MODEL_NAME,
+            "--release",
+            release,
+            "--slo-tpot-ms",
+            "60",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn slipway-engine");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("listening on http://") {
+                let _ = tx.send(url.trim().to_owned());
+            }
+        }
+    });
+    let mut engine = Engine {
+        child,
+        address: String::new(),
+    };
+    engine.address = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("slipway-engine serve did not print `listening on <url>` within 120 s");
+    engine
+}
+
+async fn complete(http: &reqwest::Client, address: &str) {
+    let response = http
+        .post(format!("http://{address}/v1/completions"))
+        .json(&serde_json::json!({"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": true}))
+        .send()
+        .await
+        .expect("completion request");
+    assert!(
+        response.status().is_success(),
+        "completion failed: {}",
+        response.status()
+    );
+}
+
+fn analysis() -> AnalysisSpec {
+    AnalysisSpec {
+        interval: "1s".to_owned(),
+        short_window: "30s".to_owned(),
+        long_window: "60s".to_owned(),
+        min_requests: 10,
+        ..AnalysisSpec::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrape_reads_real_engines_and_a_slow_canary_burns_its_budget() {
+    let stable = start_engine("stable0001", &[]);
+    let canary = start_engine("canary0001", &["--inject-delay-ms", "150"]);
+    let reader = Reader::with_address_map(HashMap::from([
+        ("10.0.0.1".to_owned(), stable.address.clone()),
+        ("10.0.0.2".to_owned(), canary.address.clone()),
+    ]));
+    let targets = [
+        Target {
+            pod: "svc-g0-r0".to_owned(),
+            ip: "10.0.0.1".to_owned(),
+            release: "stable0001".to_owned(),
+        },
+        Target {
+            pod: "svc-g1-r0".to_owned(),
+            ip: "10.0.0.2".to_owned(),
+            release: "canary0001".to_owned(),
+        },
+    ];
+    let spec = analysis();
+    // First look before any request: both counters are seen from zero.
+    let before = reader
+        .read("ml/svc", &spec, "canary0001", "stable0001", &targets)
+        .await;
+    assert_eq!(before.error, None);
+    let http = reqwest::Client::new();
+    for _ in 0..REQUESTS {
+        complete(&http, &stable.address).await;
+        complete(&http, &canary.address).await;
+    }
+    // Readings are reused within the interval; the next one scrapes again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let reading = reader
+        .read("ml/svc", &spec, "canary0001", "stable0001", &targets)
+        .await;
+    assert_eq!(reading.error, None);
+    let canary_w = reading.canary.expect("canary windows");
+    let stable_w = reading.stable.expect("stable windows");
+    let n = REQUESTS as f64;
+    assert_eq!(
+        (canary_w.long.eligible, canary_w.short.eligible),
+        (n, n),
+        "{reading:?}"
+    );
+    assert_eq!(stable_w.long.eligible, n, "{reading:?}");
+    assert!(
+        !canary_w.long.partial && !stable_w.long.partial,
+        "seen from zero: {reading:?}"
+    );
+    assert_eq!(
+        canary_w.long.good, 0.0,
+        "150 ms per step breaks a 60 ms TPOT: {reading:?}"
+    );
+    assert_eq!(stable_w.long.good, n, "stable meets its SLO: {reading:?}");
+
+    let thresholds = Thresholds {
+        objective: 0.99,
+        short_window: spec.short_window.clone(),
+        long_window: spec.long_window.clone(),
+        short_burn: spec.short_burn_rate_threshold,
+        long_burn: spec.long_burn_rate_threshold,
+        min_requests: 10.0,
+    };
+    match judge(&thresholds, &reading, 1, 1) {
+        Verdict::Abort {
+            short_burn,
+            long_burn,
+            ..
+        } => {
+            assert!((short_burn - 100.0).abs() < 1e-9 && (long_burn - 100.0).abs() < 1e-9);
+        }
+        other => panic!("expected an abort, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_pod_makes_the_reading_inconclusive() {
+    // Port 1 on loopback: nothing listens there.
+    let reader = Reader::with_address_map(HashMap::from([(
+        "10.0.0.9".to_owned(),
+        "127.0.0.1:1".to_owned(),
+    )]));
+    let targets = [Target {
+        pod: "svc-g1-r0".to_owned(),
+        ip: "10.0.0.9".to_owned(),
+        release: "canary0001".to_owned(),
+    }];
+    let reading = reader
+        .read("ml/svc", &analysis(), "canary0001", "stable0001", &targets)
+        .await;
+    let error = reading
+        .error
+        .clone()
+        .expect("an error for the unreachable canary pod");
+    assert!(error.contains("svc-g1-r0"), "{error}");
+    let thresholds = Thresholds {
+        objective: 0.99,
+        short_window: "30s".to_owned(),
+        long_window: "60s".to_owned(),
+        short_burn: 14.4,
+        long_burn: 14.4,
+        min_requests: 10.0,
+    };
+    assert!(matches!(
+        judge(&thresholds, &reading, 1, 1),
+        Verdict::Inconclusive { .. }
+    ));
+}
