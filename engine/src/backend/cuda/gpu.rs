@@ -65,6 +65,36 @@ pub fn libraries_present() -> (bool, bool) {
     }
 }
 
+/// Compiles every kernel file with NVRTC for compute capability `major.minor`
+/// (needs only NVRTC, no driver or GPU: `make check-kernels` runs it in CI).
+///
+/// # Errors
+/// [`DeviceError::Unavailable`] without NVRTC; [`DeviceError::Driver`] with NVRTC's
+/// log when a file does not compile.
+pub fn compile_all(
+    major: i32,
+    minor: i32,
+) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>, DeviceError> {
+    if !libraries_present().1 {
+        return Err(DeviceError::Unavailable(
+            "NVRTC (libnvrtc.so.13) is not on the library path".into(),
+        ));
+    }
+    KERNEL_FILES
+        .iter()
+        .map(|(file, src, _)| {
+            let opts = CompileOptions {
+                options: nvrtc_options(major, minor),
+                name: Some((*file).to_owned()),
+                ..CompileOptions::default()
+            };
+            compile_ptx_with_opts(program(src), opts)
+                .map(|ptx| (*file, ptx))
+                .map_err(|e| DeviceError::Driver(format!("NVRTC compiling {file}: {e}")))
+        })
+        .collect()
+}
+
 /// The CUDA device.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -122,18 +152,15 @@ impl CudaDevice {
         let name = ctx.name().map_err(drv)?;
         let started = std::time::Instant::now();
         let mut funcs = HashMap::new();
-        for (file, src, entries) in KERNEL_FILES {
-            let opts = CompileOptions {
-                options: nvrtc_options(arch.0, arch.1),
-                name: Some((*file).to_owned()),
-                ..CompileOptions::default()
-            };
-            let ptx = compile_ptx_with_opts(program(src), opts)
-                .map_err(|e| DeviceError::Driver(format!("NVRTC compiling {file}: {e}")))?;
+        for (file, ptx) in compile_all(arch.0, arch.1)? {
             let module = ctx
                 .load_module(ptx)
                 .map_err(|e| DeviceError::Driver(format!("loading {file}: {e}")))?;
-            for e in *entries {
+            let entries = KERNEL_FILES
+                .iter()
+                .find(|f| f.0 == file)
+                .map_or(&[][..], |f| f.2);
+            for e in entries {
                 let f = module
                     .load_function(e)
                     .map_err(|err| DeviceError::Driver(format!("{file}: {e}: {err}")))?;
@@ -232,6 +259,9 @@ impl Device for CudaDevice {
         dim: usize,
     ) -> Result<(), DeviceError> {
         need("embed out", out.len(), n * dim)?;
+        if n == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let f = self.f(if fmt == QuantFormat::Q8_0 {
             "embed_q8_0"
         } else {
@@ -258,6 +288,9 @@ impl Device for CudaDevice {
     ) -> Result<(), DeviceError> {
         need("rms_norm out", out.len(), n * dim)?;
         need("rms_norm rows", rows.len(), n)?;
+        if n == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let di = int(dim, "dim")?;
         let mut b = self.stream.launch_builder(self.f("rms_norm")?);
         b.arg(x).arg(w).arg(rows).arg(out).arg(&di).arg(&eps);
@@ -277,6 +310,9 @@ impl Device for CudaDevice {
         eps: f32,
     ) -> Result<(), DeviceError> {
         need("add_rms_norm", x.len().min(y.len()).min(out.len()), n * dim)?;
+        if n == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let di = int(dim, "dim")?;
         let mut b = self.stream.launch_builder(self.f("add_rms_norm")?);
         b.arg(x).arg(y).arg(w).arg(out).arg(&di).arg(&eps);
@@ -292,6 +328,9 @@ impl Device for CudaDevice {
         len: usize,
     ) -> Result<(), DeviceError> {
         need("add", x.len().min(y.len()), len)?;
+        if len == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let li = int(len, "len")?;
         let mut b = self.stream.launch_builder(self.f("add")?);
         b.arg(x).arg(y).arg(&li);
@@ -319,6 +358,9 @@ impl Device for CudaDevice {
             w.len(),
             s.rows * s.cols / 32 * fmt.block_bytes(),
         )?;
+        if s.n == 0 || s.rows == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         if !s.cols.is_multiple_of(32) {
             return Err(DeviceError::Shape(format!(
                 "{} columns: not whole blocks",
@@ -363,6 +405,9 @@ impl Device for CudaDevice {
     ) -> Result<(), DeviceError> {
         need("silu_mul in", gate_up.len(), 2 * n * ffn)?;
         need("silu_mul out", out.len(), n * ffn)?;
+        if n * ffn == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let (fi, ni) = (int(ffn, "ffn")?, int(n, "n")?);
         int(n * ffn, "n * ffn")?;
         let mut b = self.stream.launch_builder(self.f("silu_mul")?);
@@ -385,6 +430,9 @@ impl Device for CudaDevice {
     ) -> Result<(), DeviceError> {
         need("rope qkv", qkv.len(), n * kv.qkv_width())?;
         need("rope pos/slots", pos.len().min(slots.len()), n)?;
+        if n == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         need(
             "k cache",
             k_cache.len().min(v_cache.len()),
@@ -428,6 +476,9 @@ impl Device for CudaDevice {
         need("attention qkv", qkv.len(), n * kv.qkv_width())?;
         need("attention out", out.len(), n * kv.n_heads * kv.head_dim)?;
         need("attention pos/offsets", pos.len().min(table_off.len()), n)?;
+        if n == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let a = [
             int(kv.layer, "layer")?,
             int(kv.num_blocks, "num_blocks")?,
@@ -465,6 +516,9 @@ impl Device for CudaDevice {
     ) -> Result<(), DeviceError> {
         need("argmax logits", logits.len(), rows * vocab)?;
         need("argmax out", out.len(), rows)?;
+        if rows == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let vi = int(vocab, "vocab")?;
         let mut b = self.stream.launch_builder(self.f("argmax_rows")?);
         b.arg(logits).arg(&vi).arg(out);
@@ -490,6 +544,9 @@ impl Device for CudaDevice {
             rows * vocab,
         )?;
         need("sample uniforms/out", uniforms.len().min(out.len()), rows)?;
+        if rows == 0 {
+            return Ok(()); // a zero-sized grid is a launch error
+        }
         let (vi, ki) = (int(vocab, "vocab")?, int(p.top_k, "top_k")?);
         let mut b = self.stream.launch_builder(self.f("sample_top_k_top_p")?);
         b.arg(logits)
