@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::{Event, Node, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, WatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -62,6 +62,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         only_the_leader_acts_and_a_standby_takes_over,
         a_killed_operator_converges_without_duplicates,
         deleting_the_service_collects_every_child,
+        losing_a_zone_is_reported_and_recovered,
     ]
 }
 
@@ -871,5 +872,251 @@ async fn deleting_the_service_collects_every_child(env: Arc<Env>) -> anyhow::Res
         || "children remain".to_owned(),
     )
     .await?;
+    setup.ensure_no_forbidden()
+}
+
+/// The fault-domain key of the zone-loss test's private nodes. No other test's
+/// InferenceService uses it, and those nodes are tainted, so nothing else lands there.
+const PRIVATE_ZONE: &str = "e2e.slipway.dev/zone";
+const PRIVATE_POOL: &str = "e2e.slipway.dev/pool";
+
+/// KWOK nodes private to one test: one 8-GPU node per zone under [`PRIVATE_ZONE`],
+/// labelled and tainted with the test's pool, so only pods that select and tolerate
+/// the pool run there and deleting them disturbs no other test. Deleted on drop.
+struct PrivateNodes {
+    cluster: Arc<Cluster>,
+    pool: String,
+    names: Vec<String>,
+}
+
+impl PrivateNodes {
+    fn new(env: &Env, namespace: &str, zones: u32) -> Self {
+        // The namespace's unique suffix (pid and counter) keeps names short: a node
+        // name is also its `kubernetes.io/hostname` label value (≤ 63 characters).
+        let tag = namespace.rsplit('-').next().unwrap_or(namespace);
+        let pool = format!("zone-loss-{tag}");
+        let names = (1..=zones).map(|z| format!("{pool}-z{z}")).collect();
+        Self {
+            cluster: Arc::clone(&env.cluster),
+            pool,
+            names,
+        }
+    }
+
+    fn zone(&self, node: &str) -> String {
+        format!("{node}-zone")
+    }
+
+    /// Creates (or re-creates) one node, as `e2e/cluster/fake-nodes` writes them.
+    async fn create(&self, admin: &Client, name: &str) -> anyhow::Result<()> {
+        let node = json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "type": "kwok",
+                    "kubernetes.io/arch": "amd64",
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/hostname": name,
+                    PRIVATE_ZONE: self.zone(name),
+                    PRIVATE_POOL: self.pool,
+                    RACK: format!("{name}-rack"),
+                    "nvidia.com/gpu.present": "true",
+                    "nvidia.com/gpu.count": "8",
+                },
+            },
+            "spec": {"taints": [{"key": PRIVATE_POOL, "value": self.pool, "effect": "NoSchedule"}]},
+            "status": {
+                "capacity": {"cpu": "64", "memory": "512Gi", "ephemeral-storage": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
+                "allocatable": {"cpu": "64", "memory": "512Gi", "ephemeral-storage": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
+                "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "fake"},
+            },
+        });
+        let nodes = Api::<Node>::all(admin.clone());
+        nodes
+            .patch(
+                name,
+                &PatchParams::apply("slipway-e2e").force(),
+                &Patch::Apply(&node),
+            )
+            .await
+            .with_context(|| format!("creating node {name}"))?;
+        wait::for_object(
+            &nodes,
+            name,
+            &format!("node {name} Ready"),
+            CONVERGE,
+            |n: Option<&Node>| {
+                n.and_then(|n| n.status.as_ref()?.conditions.clone())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The pod template fields that confine an InferenceService to these nodes.
+    fn pod_template(&self) -> Value {
+        json!({
+            "nodeSelector": {PRIVATE_POOL: self.pool},
+            "tolerations": [{"key": PRIVATE_POOL, "operator": "Equal", "value": self.pool, "effect": "NoSchedule"}],
+        })
+    }
+}
+
+impl Drop for PrivateNodes {
+    fn drop(&mut self) {
+        let mut args = vec!["delete", "node", "--ignore-not-found", "--wait=false"];
+        args.extend(self.names.iter().map(String::as_str));
+        if let Err(error) = self.cluster.kubectl(&args, Duration::from_secs(60)) {
+            tracing::warn!(%error, nodes = ?self.names, "could not delete the test's private nodes");
+        }
+    }
+}
+
+/// The `FaultTolerant` condition's (status, reason, message).
+fn fault_tolerant(o: &DynamicObject) -> Option<(String, String, String)> {
+    let c = o.data["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "FaultTolerant")?;
+    let text = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+    Some((text("status"), text("reason"), text("message")))
+}
+
+/// Waits until the namespace holds `count` events with `reason` (the recorder writes
+/// them after the status that caused them).
+async fn wait_events(setup: &Setup, reason: &str, count: usize) -> anyhow::Result<()> {
+    let events = Api::<Event>::namespaced(setup.admin.clone(), setup.ns());
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let last = Arc::clone(&seen);
+    wait::poll(
+        &format!("{count} {reason} event(s)"),
+        CONVERGE,
+        || {
+            let (events, seen) = (events.clone(), Arc::clone(&seen));
+            async move {
+                // A repeated event is one object with a series count (kube's
+                // Recorder), so occurrences are counted, not objects.
+                let reasons: Vec<(String, i32)> = events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .filter_map(|e| {
+                        let times = e.series.and_then(|s| s.count).or(e.count).unwrap_or(1);
+                        Some((e.reason?, times))
+                    })
+                    .collect();
+                let times: i32 = reasons
+                    .iter()
+                    .filter(|(r, _)| r == reason)
+                    .map(|(_, n)| n)
+                    .sum();
+                let found = usize::try_from(times).is_ok_and(|n| n >= count);
+                if let Ok(mut text) = seen.lock() {
+                    *text = reasons;
+                }
+                Ok(found.then_some(()))
+            }
+        },
+        || {
+            format!(
+                "event reasons: {:?}",
+                last.lock().map(|t| t.clone()).unwrap_or_default()
+            )
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+async fn losing_a_zone_is_reported_and_recovered(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let nodes = PrivateNodes::new(&env, setup.ns(), 3);
+    for name in &nodes.names {
+        nodes.create(&setup.admin, name).await?;
+    }
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    // One 8-GPU group per node, so each zone holds exactly one group and a group
+    // displaced by a lost zone has nowhere else to go.
+    let mut isvc = gpu_service(setup.ns(), "zl", 8, 1)?;
+    // N_healthy = ceil(2 / 1) = 2; N_provisioned = ceil(2 / (1 − 0.3)) = 3.
+    isvc["spec"]["capacity"] = json!({
+        "peakDemand": 2, "replicaGoodput": 1, "minReplicas": 1,
+        "faultDomain": {"topologyKey": PRIVATE_ZONE, "fLoss": 0.3},
+    });
+    isvc["spec"]["podTemplate"] = nodes.pod_template();
+    setup.apply(&isvc).await?;
+    setup.wait_ready("zl", 3).await?;
+    let tolerant = |o: Option<&DynamicObject>| {
+        o.and_then(fault_tolerant)
+            .is_some_and(|(status, _, _)| status == "True")
+    };
+    wait::for_object(&setup.isvcs(), "zl", "zl FaultTolerant", CONVERGE, tolerant).await?;
+    let pods = setup.wait_pods(&pod_names("zl", 3, 1)).await?;
+    let placed: BTreeSet<String> = pods
+        .iter()
+        .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+        .collect();
+    ensure!(
+        placed == nodes.names.iter().cloned().collect(),
+        "groups are not one per private node: {placed:?}"
+    );
+
+    // Lose the first zone: its only node is deleted.
+    let lost = nodes.names[0].clone();
+    Api::<Node>::all(setup.admin.clone())
+        .delete(&lost, &DeleteParams::default())
+        .await
+        .with_context(|| format!("deleting node {lost}"))?;
+    let survivors: Vec<String> = nodes.names[1..].iter().map(|n| nodes.zone(n)).collect();
+    let lost_zone = nodes.zone(&lost);
+    let isvc = wait::for_object(
+        &setup.isvcs(),
+        "zl",
+        "zl not FaultTolerant after losing a zone",
+        CONVERGE,
+        |o: Option<&DynamicObject>| {
+            o.and_then(fault_tolerant)
+                .is_some_and(|(status, _, _)| status == "False")
+        },
+    )
+    .await?;
+    let (_, reason, message) = fault_tolerant(&isvc).context("no FaultTolerant condition")?;
+    // Two groups are left, one per surviving zone: losing either leaves 1 of the 2 needed.
+    let named = survivors
+        .iter()
+        .find(|zone| message.contains(&format!("{PRIVATE_ZONE}={zone} ")));
+    ensure!(
+        reason == "WorstDomainLossTooLarge"
+            && named.is_some()
+            && !message.contains(&lost_zone)
+            && message.contains("(1 of 2 ready groups) leaves 1, 2 needed"),
+        "FaultTolerant does not name the worst surviving zone with the counts left: {reason}: {message}"
+    );
+    wait_events(&setup, "DomainLossNotSurvivable", 1).await?;
+
+    // Capacity comes back: the zone's node is created again.
+    nodes.create(&setup.admin, &lost).await?;
+    let isvc = wait::for_object(
+        &setup.isvcs(),
+        "zl",
+        "zl FaultTolerant again",
+        CONVERGE,
+        tolerant,
+    )
+    .await?;
+    let (_, reason, message) = fault_tolerant(&isvc).context("no FaultTolerant condition")?;
+    ensure!(
+        reason == "SurvivesWorstDomainLoss"
+            && message.contains("(1 of 3 ready groups) leaves 2, 2 needed"),
+        "FaultTolerant after recovery: {reason}: {message}"
+    );
+    setup.wait_ready("zl", 3).await?;
+    // Once when the groups first became ready, once now.
+    wait_events(&setup, "DomainLossSurvivable", 2).await?;
     setup.ensure_no_forbidden()
 }

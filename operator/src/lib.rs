@@ -12,6 +12,7 @@
 //! - [`plan`](mod@plan): objects, scale-in, group restarts, status and events.
 //! - [`conditions`]: condition merging and transition detection.
 //! - [`observed`]: the plain-data view of the cluster `plan` reads.
+//! - [`nodes`]: node changes (readiness, labels, deletion) that reconcile everything.
 //! - [`rollout`]: canary rollouts (pure state machine, burn-rate analysis, metrics sources).
 
 pub mod conditions;
@@ -20,6 +21,7 @@ pub mod groups;
 pub mod labels;
 pub mod leader;
 pub mod metrics;
+pub mod nodes;
 pub mod observed;
 pub mod plan;
 pub mod pod;

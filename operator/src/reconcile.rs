@@ -113,6 +113,8 @@ pub async fn run(
             })
         },
     )
+    // Fault domains follow the nodes: a zone going NotReady must show at once.
+    .reconcile_all_on(crate::nodes::triggers(client.clone()))
     .graceful_shutdown_on(shutdown)
     .run(reconcile, error_policy, ctx)
     .for_each(|result| async move {
