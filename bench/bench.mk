@@ -5,9 +5,11 @@
 #                       (CPU, -j1; ~30-60 min the first time on 2 shared cores, then a no-op)
 #   bench-e2e           short real sweep against llama-server on the real model:
 #                       checks summary, records, plot, capacity note (~2 min once built)
-#   bench-serving       Slipway vs llama-server: slot probe, both sweeps, side-by-side
-#                       table and ratios (~25 min once built); exits non-zero, saying
-#                       so, while `slipway-engine serve` does not exist
+#   bench-serving       Slipway vs llama-server on the issue's two workloads (a: prompts
+#                       64-512, outputs 32-128 tokens; b: the same, 50% sharing a 256-token
+#                       system prompt): slot probe, four sweeps, side-by-side tables, ratios,
+#                       plots under ~/.cache/slipway/bench-results/<time>/ (~20-25 min once
+#                       built, 30 min at most; QUICK=1: a ~4 min smoke run)
 #
 # Knobs: see the header of bench/scripts/bench-serving (SLOTS, RATES, DURATION, ...).
 
@@ -19,5 +21,5 @@ bench-llama-server: ## build llama.cpp's llama-server from the llama-cpp-python 
 bench-e2e: ## a short real sweep against llama-server on the real model (summary, records, plot)
 	bench/scripts/bench-e2e
 
-bench-serving: ## Slipway vs llama-server: the same sweep against each, side-by-side table and ratios
+bench-serving: ## Slipway vs llama-server: same model, threads, workloads (a, b: 50% shared prefix) and SLO; side-by-side table, ratios, plots (~25 min; QUICK=1 ~4 min)
 	bench/scripts/bench-serving

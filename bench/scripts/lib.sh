@@ -86,12 +86,14 @@ stop_server() {
 trap stop_server EXIT
 
 # start_llama NP PORT LOGFILE: llama-server with NP parallel slots (continuous batching).
+# LLAMA_POLL: its busy-wait level (0-100, llama.cpp's default 50); on a shared machine
+# spinning threads lose their time slices, so bench-serving measures which is better.
 start_llama() {
     local np="$1" port="$2" logfile="$3"
     # Each slot gets room for the largest prompt plus output (512 + 128) with margin.
     local ctx=$((np * ${CTX_PER_SLOT:-1024}))
-    note_load "before llama-server -np $np"
+    note_load "before llama-server -np $np --poll ${LLAMA_POLL:-50}"
     start_server "$logfile" "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" \
-        -t "$THREADS" -tb "$THREADS" -np "$np" -c "$ctx" -cb
+        -t "$THREADS" -tb "$THREADS" -np "$np" -c "$ctx" -cb --poll "${LLAMA_POLL:-50}"
     wait_ready "http://127.0.0.1:$port" 120
 }

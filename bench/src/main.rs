@@ -20,7 +20,7 @@ use slipway_bench::report;
 use slipway_bench::runner::{self, RunLimits, RunOutput, Sessions};
 use slipway_bench::stats::{DEFAULT_BUCKETS, Slo, Summary, summarize};
 use slipway_bench::sweep::{SweepPlan, SweepPoint, SweepResult, geometric_ladder, next_rate};
-use slipway_bench::workload::{Api, RequestPlan, WorkloadSpec, generate};
+use slipway_bench::workload::{Api, RequestPlan, WorkloadSpec, generate, point_seed};
 
 /// Open/closed-loop load generator for OpenAI-compatible LLM servers: TTFT, TPOT,
 /// SLO-goodput and the capacity frontier (`capacity.replicaGoodput`).
@@ -325,7 +325,9 @@ async fn measure(
 ) -> anyhow::Result<(RunOutput, Summary)> {
     let window = c.duration.max(c.min_requests as f64 / rate);
     let arrivals = schedule(&c.process(rate), window, usize::MAX, c.seed)?;
-    let plans = generate(spec, &arrivals, c.seed)?;
+    // Fresh prompts at every rate: a sweep that resent the same prompts would let a
+    // server's prefix cache answer later points from earlier ones.
+    let plans = generate(spec, &arrivals, point_seed(c.seed, rate))?;
     let bar = c.progress(plans.len() as u64, &format!("{rate} req/s"));
     let limits = RunLimits {
         window_s: window,

@@ -266,6 +266,9 @@ pub struct Comparison {
     pub comparable: bool,
     /// SLO-goodput at the frontier, requests/s.
     pub goodput_frontier_rps: Compared,
+    /// When we have a frontier and the peer failed even its lowest rate, its frontier
+    /// lies below that rate, so the ratio is at least our goodput over that rate.
+    pub goodput_frontier_ratio_at_least: Option<f64>,
     /// Output tokens/s at each side's own frontier.
     pub frontier_output_tokens_per_s: Compared,
     /// The highest rate both measured at which the peer still passed (or, if it never
@@ -320,7 +323,14 @@ pub fn compare(a: &SweepResult, b: &SweepResult) -> Comparison {
             ),
         }
     });
+    let ours_goodput = a.frontier.as_ref().map(|f| f.goodput_rps);
+    let peer_lowest = b.sorted_points().first().map(|p| p.rate);
+    let goodput_frontier_ratio_at_least = match (ours_goodput, &b.frontier, peer_lowest) {
+        (Some(g), None, Some(lo)) if lo > 0.0 => Some(g / lo),
+        _ => None,
+    };
     Comparison {
+        goodput_frontier_ratio_at_least,
         ours: a.label.clone(),
         peer: b.label.clone(),
         workload: a.workload.clone(),
@@ -373,6 +383,16 @@ pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
         &c.goodput_frontier_rps,
         &rate,
     );
+    if let (Some(r), Some(lo)) = (
+        c.goodput_frontier_ratio_at_least,
+        b.sorted_points().first().map(|p| p.rate),
+    ) {
+        let _ = writeln!(
+            o,
+            "  {} failed the SLO at its lowest rate ({lo:.3} req/s): frontier ratio > {r:.2}×",
+            c.peer
+        );
+    }
     row(
         &mut o,
         "output tok/s at own frontier",
@@ -501,5 +521,12 @@ mod tests {
         assert!(t.contains("2.00×"), "TTFT P99 ratio peer/ours: {t}");
         let s = summary_table("x", &peer.points[1].summary);
         assert!(s.contains("inf"), "{s}");
+        assert_eq!(compare(&ours, &peer).goodput_frontier_ratio_at_least, None);
+        // A peer that fails its lowest rate has a frontier below it: a lower bound.
+        let failing = sweep("peer", &[(0.2, false, 0.05, None)]);
+        let c = compare(&ours, &failing);
+        assert_eq!(c.goodput_frontier_rps.ratio, None);
+        assert!((c.goodput_frontier_ratio_at_least.unwrap() - 0.79 / 0.2).abs() < 1e-12);
+        assert!(compare_table(&ours, &failing).contains("frontier ratio > 3.95×"));
     }
 }

@@ -288,6 +288,17 @@ pub fn shared_prefix_text(tokens: u32) -> String {
     words(&mut StdRng::seed_from_u64(0x5eed_5a7e), tokens)
 }
 
+/// The prompt seed of one measured point of a run at `rate`: the same for every server
+/// measured at that rate (so they see identical prompts), different between rates (so
+/// no point's prompts are already in a prefix cache from an earlier point).
+#[must_use]
+pub fn point_seed(seed: u64, rate: f64) -> u64 {
+    seed ^ rate
+        .to_bits()
+        .rotate_left(29)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 /// Draws `arrivals.len()` requests from `spec`; request `i` arrives at `arrivals[i]`.
 ///
 /// # Errors
@@ -427,6 +438,23 @@ mod tests {
         assert!((a as i64 - 3000).abs() < 200, "{a}");
         // Unshared prompts never share their first words: each starts with its own tag.
         assert!(reqs[1].prompt.starts_with("Request 1:"));
+    }
+
+    #[test]
+    fn points_at_different_rates_never_share_prompts() {
+        let spec = WorkloadSpec::default();
+        let arrivals = vec![0.0; 50];
+        let at = |rate: f64| generate(&spec, &arrivals, point_seed(1, rate)).unwrap();
+        assert_eq!(at(0.3), at(0.3));
+        let (a, b) = (at(0.3), at(0.375));
+        for (x, y) in a.iter().zip(&b) {
+            // Same tag, but the words after it differ within the first KV block.
+            let (wx, wy): (Vec<&str>, Vec<&str>) = (
+                x.prompt.split(' ').skip(2).take(12).collect(),
+                y.prompt.split(' ').skip(2).take(12).collect(),
+            );
+            assert_ne!(wx, wy, "request {} repeats its prompt start", x.id);
+        }
     }
 
     #[test]
