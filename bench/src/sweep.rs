@@ -63,7 +63,8 @@ pub fn next_rate(plan: &SweepPlan, done: &[(f64, bool)]) -> Option<f64> {
                 .iter()
                 .filter(|(r, _)| !plan.rates.iter().any(|p| (p - r).abs() < 1e-9))
                 .count();
-            let mid = (lo + hi) / 2.0;
+            // Rounded like the ladder, so it prints (and names its directory) cleanly.
+            let mid = ((lo + hi) / 2.0 * 1e4).round() / 1e4;
             (refinements < plan.refine as usize && !tried(mid)).then_some(mid)
         }
     }
@@ -178,6 +179,16 @@ mod tests {
             ]
         );
         assert_eq!(frontier_rate(&done), Some(3.0));
+    }
+
+    #[test]
+    fn bisection_rates_are_rounded() {
+        let plan = SweepPlan {
+            rates: vec![0.1, 0.2],
+            refine: 1,
+        };
+        let done = run(&plan, 0.12);
+        assert_eq!(done, vec![(0.1, true), (0.2, false), (0.15, false)]);
     }
 
     #[test]
