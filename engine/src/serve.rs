@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
-use slipway_engine::backend::ModelRunner;
-use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
+use slipway_engine::backend::cpu::CpuConfig;
+use slipway_engine::backend::cuda::runner::DeviceConfig;
+use slipway_engine::backend::{BackendOptions, DeviceChoice, select};
 use slipway_engine::model::gguf::GgufFile;
-use slipway_engine::model::llama::{LlamaConfig, LlamaWeights};
+use slipway_engine::model::llama::LlamaConfig;
 use slipway_engine::serving::admission::{Admission, AdmissionConfig, TenantRate};
 use slipway_engine::serving::block_manager::BlockManagerConfig;
 use slipway_engine::serving::engine::{EngineConfig, spawn_with_metrics};
@@ -114,6 +115,14 @@ pub struct ServeArgs {
     /// CPU worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Backend: `cpu`, `cuda` (fail if the GPU backend cannot start), or `auto`
+    /// (CUDA when this binary has the `cuda` feature and a GPU with its driver is
+    /// present, else the CPU backend, with a log line saying why).
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(DeviceChoice))]
+    pub device: DeviceChoice,
+    /// GPU ordinal for `--device cuda|auto`.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
     /// TEST ONLY (fault injection for rollout tests): ms of delay added to every
     /// decode step, making the release slow. 0 (off) in production.
     #[arg(long, default_value_t = 0)]
@@ -168,6 +177,22 @@ pub fn kv_block_bytes(c: &LlamaConfig, block_size: usize) -> u64 {
     (c.n_layers * 2 * c.n_kv_heads * c.head_dim * block_size * std::mem::size_of::<f32>()) as u64
 }
 
+/// Bytes of one KV block on the CUDA backend: f16 keys and values.
+#[must_use]
+pub fn gpu_kv_block_bytes(c: &LlamaConfig, block_size: usize) -> u64 {
+    kv_block_bytes(c, block_size) / 2
+}
+
+/// How many blocks of `per_block` bytes fit in `bytes` (`--kv-memory`).
+fn blocks_in(bytes: u64, per_block: u64) -> anyhow::Result<usize> {
+    let blocks = usize::try_from(bytes / per_block).unwrap_or(usize::MAX);
+    anyhow::ensure!(
+        blocks > 0,
+        "--kv-memory {bytes} bytes holds no KV block ({per_block} bytes each)"
+    );
+    Ok(blocks)
+}
+
 /// Runs the server until drained.
 ///
 /// # Errors
@@ -177,35 +202,41 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_metadata(file.metadata())
         .with_context(|| format!("loading the tokenizer of {}", args.model.display()))?;
     let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer).ok();
-    let weights = Arc::new(
-        LlamaWeights::from_gguf(&file)
-            .with_context(|| format!("loading {}", args.model.display()))?,
-    );
-    let trained = weights.config.context_length;
+    let model_config = LlamaConfig::from_gguf(&file)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let trained = model_config.context_length;
     let max_model_len = args.max_model_len.unwrap_or(trained).min(trained);
     let block_size = CpuConfig::default().block_size;
-    let num_blocks = match (args.kv_blocks, args.kv_memory) {
+    // On the GPU, no size flag means "size the pool from free device memory".
+    let gpu_blocks = match (args.kv_blocks, args.kv_memory) {
+        (Some(b), _) => Some(b),
+        (None, Some(bytes)) => Some(blocks_in(
+            bytes,
+            gpu_kv_block_bytes(&model_config, block_size),
+        )?),
+        (None, None) => None,
+    };
+    let cpu_blocks = match (args.kv_blocks, args.kv_memory) {
         (Some(b), _) => b,
-        (None, Some(bytes)) => {
-            let per = kv_block_bytes(&weights.config, block_size);
-            let b = usize::try_from(bytes / per).unwrap_or(usize::MAX);
-            anyhow::ensure!(
-                b > 0,
-                "--kv-memory {bytes} bytes holds no KV block ({per} bytes each)"
-            );
-            b
-        }
+        (None, Some(bytes)) => blocks_in(bytes, kv_block_bytes(&model_config, block_size))?,
         (None, None) => DEFAULT_KV_BLOCKS,
     };
-    let runner = CpuBackend::new(
-        weights,
-        &CpuConfig {
+    let options = BackendOptions {
+        cpu: CpuConfig {
             threads: args.threads,
-            num_blocks,
+            num_blocks: cpu_blocks,
             block_size,
         },
-    )
-    .map_err(|e| anyhow::anyhow!(e))?;
+        cuda: DeviceConfig {
+            block_size,
+            num_blocks: gpu_blocks,
+            ..DeviceConfig::default()
+        },
+        gpu: args.gpu,
+    };
+    let (runner, device) = select(args.device, &file, &options)
+        .with_context(|| format!("starting a backend for {}", args.model.display()))?;
+    tracing::info!(?device, "backend started");
     let g = runner.kv_geometry();
     let config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -269,7 +300,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
-        let (engine, _task) = spawn_with_metrics(Box::new(runner), config, Arc::clone(&metrics))
+        let (engine, _task) = spawn_with_metrics(runner, config, Arc::clone(&metrics))
             .map_err(|e| anyhow::anyhow!(e))?;
         let state = Arc::new(
             AppState::new(
