@@ -1,6 +1,6 @@
 # Operator targets, included by the root Makefile (`-include operator/operator.mk`).
 
-.PHONY: demo demo-down operator-e2e
+.PHONY: demo demo-down operator-e2e image-binaries
 
 demo: ## local control plane + CRD + RBAC + operator (own token identity) + SmolLM2 sample, until Ready
 	operator/demo.sh
@@ -10,3 +10,6 @@ demo-down: ## stop the demo operator (by PID) and the local control plane
 
 operator-e2e: e2e-build ## only the operator's end-to-end tests on the real control plane
 	$(CARGO) test --locked -p slipway-e2e --test operator_e2e
+
+image-binaries: ## build slipway-operator (static, musl) and slipway-engine exactly as the Dockerfile does, and check them
+	operator/scripts/build-like-dockerfile
