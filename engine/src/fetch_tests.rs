@@ -1,0 +1,113 @@
+//! Unit tests of `fetch`'s pure parts (parsing, backoff, paths, config checks).
+
+use super::*;
+
+#[test]
+fn content_range_forms() {
+    assert_eq!(
+        parse_content_range("bytes 100-199/1000"),
+        Some(ContentRange::Bytes {
+            start: 100,
+            end: 199,
+            total: Some(1000)
+        })
+    );
+    assert_eq!(
+        parse_content_range("bytes 0-9/*"),
+        Some(ContentRange::Bytes {
+            start: 0,
+            end: 9,
+            total: None
+        })
+    );
+    assert_eq!(
+        parse_content_range("bytes */1000"),
+        Some(ContentRange::Unsatisfied { total: 1000 })
+    );
+    for bad in [
+        "items 0-1/2",
+        "bytes 5-4/10",
+        "bytes 0-10/10",
+        "bytes x-1/2",
+        "bytes 0-1",
+        "",
+    ] {
+        assert_eq!(parse_content_range(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn backoff_doubles_and_caps() {
+    let (initial, max) = (Duration::from_millis(100), Duration::from_secs(1));
+    let delays: Vec<_> = (1..=6)
+        .map(|n| backoff_delay(n, initial, max).as_millis())
+        .collect();
+    assert_eq!(delays, [100, 200, 400, 800, 1000, 1000]);
+    assert_eq!(backoff_delay(u32::MAX, initial, max), max);
+}
+
+#[test]
+fn partial_sits_next_to_dest() {
+    assert_eq!(
+        partial_path(Path::new("/models/model.gguf")),
+        Path::new("/models/model.gguf.partial")
+    );
+    assert_eq!(
+        partial_path(Path::new("m.gguf")),
+        Path::new("m.gguf.partial")
+    );
+}
+
+#[test]
+fn sha256_parses_64_hex_digits_only() {
+    let hex = "AB".repeat(32);
+    let digest: Sha256Digest = hex.parse().expect("valid");
+    assert_eq!(digest.to_string(), "ab".repeat(32));
+    for bad in ["", "ab", &"zz".repeat(32), &"ab".repeat(33)] {
+        assert!(bad.parse::<Sha256Digest>().is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn redaction_drops_query_and_fragment() {
+    assert_eq!(
+        redact("https://h/m.gguf?X-Sig=secret#f"),
+        "https://h/m.gguf"
+    );
+    assert_eq!(redact("https://h/m.gguf"), "https://h/m.gguf");
+}
+
+#[test]
+fn retry_only_what_can_change() {
+    for s in [408, 429, 500, 502, 503] {
+        assert!(retryable(StatusCode::from_u16(s).expect("status")), "{s}");
+    }
+    for s in [400, 401, 403, 404, 410] {
+        assert!(!retryable(StatusCode::from_u16(s).expect("status")), "{s}");
+    }
+}
+
+#[test]
+fn config_rejects_other_schemes_and_dirs() {
+    let sha = Sha256Digest([0; 32]);
+    assert!(
+        FetchConfig::new("https://h/m", sha, "/m/x")
+            .validate()
+            .is_ok()
+    );
+    assert!(
+        FetchConfig::new("ftp://h/m", sha, "/m/x")
+            .validate()
+            .is_err()
+    );
+    assert!(
+        FetchConfig::new("not a url", sha, "/m/x")
+            .validate()
+            .is_err()
+    );
+    assert!(
+        FetchConfig::new("https://h/m", sha, "/")
+            .validate()
+            .is_err()
+    );
+}
