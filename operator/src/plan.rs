@@ -43,7 +43,7 @@ use slipway_api::{InferenceService, duration};
 use crate::conditions::{self, Change, Computed};
 use crate::groups::{GroupShape, group_shape};
 use crate::labels;
-use crate::observed::{GroupRecord, Observed, ObservedPod, Phase};
+use crate::observed::{GroupRecord, Observed, ObservedNode, ObservedPod, Phase};
 use crate::pod::{ModelStaging, render};
 use crate::rollout;
 
@@ -693,7 +693,12 @@ fn plan_valid(
     } else {
         Computed::new(condition::DEGRADED, false, "Healthy", "no group is failing")
     });
-    computed.push(fault_tolerance(&groups_per_domain, capacity, domain_key));
+    computed.push(fault_tolerance(
+        &groups_per_domain,
+        &lost_domains(&observed.nodes, domain_key),
+        capacity,
+        domain_key,
+    ));
     if let Some(rolled_back) = rollout::rolled_back_condition(ctx.release, &decision.state) {
         computed.push(rolled_back);
     }
@@ -747,24 +752,54 @@ fn plan_valid(
     }
 }
 
-/// `FaultTolerant` from where ready groups run.
+/// Fault domains that have nodes under `key` but no Ready node: lost, though their
+/// nodes still exist (a zone whose nodes were deleted is simply no longer observed).
+/// Pods on NotReady nodes never count as ready groups, so a lost domain holds none
+/// and the worst-loss report alone would name a surviving domain instead.
+fn lost_domains(nodes: &BTreeMap<String, ObservedNode>, key: &str) -> Vec<String> {
+    let mut any_ready: BTreeMap<&str, bool> = BTreeMap::new();
+    for node in nodes.values() {
+        if let Some(domain) = node.labels.get(key) {
+            *any_ready.entry(domain.as_str()).or_default() |= node.ready;
+        }
+    }
+    any_ready
+        .into_iter()
+        .filter(|(_, ready)| !ready)
+        .map(|(domain, _)| domain.to_owned())
+        .collect()
+}
+
+/// `FaultTolerant` from where ready groups run, naming any lost domain first.
 fn fault_tolerance(
     groups_per_domain: &BTreeMap<String, u32>,
+    lost: &[String],
     capacity: &CapacityPlan,
     key: &str,
 ) -> Computed {
+    let lost_note = match lost {
+        [] => String::new(),
+        [one] => format!("{key}={one} has no Ready node; "),
+        many => format!(
+            "{} have no Ready node; ",
+            many.iter()
+                .map(|domain| format!("{key}={domain}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     let report = worst_domain_loss(groups_per_domain, capacity.healthy_needed);
     let Some(worst) = report.worst_domain.as_deref() else {
         return Computed::new(
             condition::FAULT_TOLERANT,
             false,
             "NoGroupsReady",
-            "no group is ready, so none can survive a domain loss",
+            format!("{lost_note}no group is ready, so none can survive a domain loss"),
         );
     };
     let placed = report.groups_lost + report.groups_left;
     let summary = format!(
-        "losing {key}={worst} ({} of {placed} ready groups) leaves {}, {} needed",
+        "{lost_note}losing {key}={worst} ({} of {placed} ready groups) leaves {}, {} needed",
         report.groups_lost, report.groups_left, capacity.healthy_needed
     );
     if report.tolerant {
