@@ -976,6 +976,84 @@ impl Drop for PrivateNodes {
     }
 }
 
+/// kwok manages only nodes annotated `kwok.x-k8s.io/node=fake` (e2e/cluster/up) and
+/// resets any non-Ready node it manages to Ready. Removing the annotation takes the
+/// node out of its hands first; then Ready=False, written through the status
+/// subresource as a kubelet would, stays.
+async fn take_from_kwok(nodes: &Api<Node>, name: &str) -> anyhow::Result<()> {
+    nodes
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {KWOK_NODE: null}}})),
+        )
+        .await
+        .with_context(|| format!("removing {KWOK_NODE} from node {name}"))?;
+    let now = k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string();
+    nodes
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"status": {"conditions": [{
+                "type": "Ready", "status": "False", "reason": "ZoneLost",
+                "message": "e2e: the node's zone is lost",
+                "lastHeartbeatTime": now, "lastTransitionTime": now,
+            }]}})),
+        )
+        .await
+        .with_context(|| format!("making node {name} NotReady"))?;
+    Ok(())
+}
+
+/// Hands a node back to kwok and waits until it is Ready (kwok's node-initialize
+/// stage resets it; the status patch makes that immediate).
+async fn give_back_to_kwok(nodes: &Api<Node>, name: &str) -> anyhow::Result<()> {
+    nodes
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {KWOK_NODE: "fake"}}})),
+        )
+        .await
+        .with_context(|| format!("restoring {KWOK_NODE} on node {name}"))?;
+    let now = k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string();
+    nodes
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"status": {"conditions": [{
+                "type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "e2e: the node's zone is back",
+                "lastHeartbeatTime": now, "lastTransitionTime": now,
+            }]}})),
+        )
+        .await
+        .with_context(|| format!("making node {name} Ready"))?;
+    wait::for_object(
+        nodes,
+        name,
+        &format!("node {name} Ready again"),
+        CONVERGE,
+        |n: Option<&Node>| n.is_some_and(node_ready),
+    )
+    .await?;
+    Ok(())
+}
+
+fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The annotation kwok selects the nodes it manages by.
+const KWOK_NODE: &str = "kwok.x-k8s.io/node";
+
 /// The `FaultTolerant` condition's (status, reason, message).
 fn fault_tolerant(o: &DynamicObject) -> Option<(String, String, String)> {
     let c = o.data["status"]["conditions"]
@@ -1066,12 +1144,11 @@ async fn losing_a_zone_is_reported_and_recovered(env: Arc<Env>) -> anyhow::Resul
         "groups are not one per private node: {placed:?}"
     );
 
-    // Lose the first zone: its only node is deleted.
+    // Lose the first zone: its only node goes NotReady (and stays so, see
+    // `take_from_kwok`), so the operator still sees the zone, with no Ready node.
     let lost = nodes.names[0].clone();
-    Api::<Node>::all(setup.admin.clone())
-        .delete(&lost, &DeleteParams::default())
-        .await
-        .with_context(|| format!("deleting node {lost}"))?;
+    let node_api = Api::<Node>::all(setup.admin.clone());
+    take_from_kwok(&node_api, &lost).await?;
     let survivors: Vec<String> = nodes.names[1..].iter().map(|n| nodes.zone(n)).collect();
     let lost_zone = nodes.zone(&lost);
     let isvc = wait::for_object(
@@ -1086,21 +1163,28 @@ async fn losing_a_zone_is_reported_and_recovered(env: Arc<Env>) -> anyhow::Resul
     )
     .await?;
     let (_, reason, message) = fault_tolerant(&isvc).context("no FaultTolerant condition")?;
-    // Two groups are left, one per surviving zone: losing either leaves 1 of the 2 needed.
+    // The lost zone is named as lost; of the two groups left, one per surviving zone,
+    // losing either leaves 1 of the 2 needed.
     let named = survivors
         .iter()
-        .find(|zone| message.contains(&format!("{PRIVATE_ZONE}={zone} ")));
+        .find(|zone| message.contains(&format!("losing {PRIVATE_ZONE}={zone} ")));
     ensure!(
         reason == "WorstDomainLossTooLarge"
+            && message.starts_with(&format!("{PRIVATE_ZONE}={lost_zone} has no Ready node; "))
             && named.is_some()
-            && !message.contains(&lost_zone)
-            && message.contains("(1 of 2 ready groups) leaves 1, 2 needed"),
-        "FaultTolerant does not name the worst surviving zone with the counts left: {reason}: {message}"
+            && message.contains("(1 of 2 ready groups) leaves 1, 2 needed: 1 short"),
+        "FaultTolerant does not name the lost zone, then the worst surviving zone with the counts left: {reason}: {message}"
+    );
+    // Still NotReady: kwok did not reset it behind the test's back.
+    let node = node_api.get(&lost).await?;
+    ensure!(
+        !node_ready(&node),
+        "node {lost} became Ready again while out of kwok's hands"
     );
     wait_events(&setup, "DomainLossNotSurvivable", 1).await?;
 
-    // Capacity comes back: the zone's node is created again.
-    nodes.create(&setup.admin, &lost).await?;
+    // Capacity comes back: the node is handed back to kwok and made Ready.
+    give_back_to_kwok(&node_api, &lost).await?;
     let isvc = wait::for_object(
         &setup.isvcs(),
         "zl",
@@ -1112,6 +1196,7 @@ async fn losing_a_zone_is_reported_and_recovered(env: Arc<Env>) -> anyhow::Resul
     let (_, reason, message) = fault_tolerant(&isvc).context("no FaultTolerant condition")?;
     ensure!(
         reason == "SurvivesWorstDomainLoss"
+            && !message.contains("no Ready node")
             && message.contains("(1 of 3 ready groups) leaves 2, 2 needed"),
         "FaultTolerant after recovery: {reason}: {message}"
     );
