@@ -19,3 +19,8 @@ e2e-down: ## stop every process of the cluster by PID and remove its state
 
 # `make test` is "everything": the end-to-end tests are part of it.
 test: e2e
+
+# The rollout e2e (tests/rollout_e2e.rs) needs a real Prometheus: installed before any e2e test runs.
+e2e-build: e2e-prometheus
+e2e-prometheus:
+	scripts/ensure-debian-packages prometheus=prometheus
