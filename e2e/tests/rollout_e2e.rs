@@ -15,11 +15,14 @@
 //!    rolled back within two analysis intervals after its windows fill, with the burn
 //!    rates in `status.lastRollback`, `RolledBack=True`, and a `RolledBack` event;
 //! 2. re-applying the failed spec does not restart the rollout;
-//! 3. a healthy bundle (a changed bundle, so a new rollout) advances through every
-//!    step and becomes stable.
+//! 3. a healthy bundle (a changed bundle, so a new rollout) passes every step (0, 1, 2
+//!    seen in status; two step advances in the events) and is promoted to stable;
+//! 4. a canary with too little traffic (two requests, `minRequests` 8) is held as
+//!    inconclusive at step 0 under `Hold`, and rolled back once `RollbackAfter`'s
+//!    timeout has passed; it is never promoted.
 //!
-//! Not covered here: too little traffic (Hold / RollbackAfter) — see the planner
-//! tables in `operator/tests/rollout_fixtures.rs`.
+//! The operator's event recorder folds repeats of a reason on one object into one
+//! event's series (count), keeping the first note, so events are counted by series.
 //!
 //! Needs: the control plane (`make e2e-build`), Prometheus (`scripts/ensure-debian-packages
 //! prometheus=prometheus`, or `SLIPWAY_PROMETHEUS`), the model (`make model`, or
