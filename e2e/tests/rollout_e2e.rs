@@ -21,8 +21,8 @@
 //!    inconclusive at step 0 under `Hold`, and rolled back once `RollbackAfter`'s
 //!    timeout has passed; it is never promoted.
 //!
-//! The operator's event recorder folds repeats of a reason on one object into one
-//! event's series (count), keeping the first note, so events are counted by series.
+//! The operator's event recorder folds exact repeats of an event into one event's
+//! series (count), so events are counted by summing counts.
 //!
 //! Needs: the control plane (`make e2e-build`), Prometheus (`scripts/ensure-debian-packages
 //! prometheus=prometheus`, or `SLIPWAY_PROMETHEUS`), the model (`make model`, or
@@ -452,8 +452,7 @@ impl Ctx {
     }
 
     /// The InferenceService's events, oldest first. The operator's event recorder
-    /// folds repeats of a reason into one event's series (`count`), keeping the first
-    /// note, so counts matter.
+    /// folds exact repeats into one event's series (`count`), so counts matter.
     async fn event_list(&self) -> anyhow::Result<Vec<EventRow>> {
         let mut events: Vec<Event> = self
             .events

@@ -172,7 +172,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
                     },
                     reason: event.reason.to_owned(),
                     note: Some(event.note.clone()),
-                    action: "Reconcile".to_owned(),
+                    action: event_action(&event.note),
                     secondary: None,
                 },
                 &reference,
@@ -440,4 +440,16 @@ async fn publish_status(
         .await
         .map_err(Error::Status)?;
     Ok(())
+}
+
+/// The `action` of a recorded event. kube's `Recorder` folds events with the same type,
+/// reason and action into one series that keeps the first note, so two different
+/// decisions with one reason (rolling out bundle A, later bundle B) would show only A.
+/// A digest of the note keeps different decisions apart while exact repeats still
+/// count up one series.
+fn event_action(note: &str) -> String {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::hash::DefaultHasher::new();
+    note.hash(&mut hasher);
+    format!("Reconcile/{:016x}", hasher.finish())
 }
