@@ -11,61 +11,15 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead as _, BufReader};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use serde_json::Value;
+use slipway_engine::testing::{engine_binary, model_path};
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The name the engine serves (it answers 404 to any other `model`).
 const MODEL_NAME: &str = "bench";
-
-/// The real model, where `make model` puts it (same lookup as the engine's tests).
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("SLIPWAY_MODEL") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "SLIPWAY_MODEL={} does not exist; unset it and run `make model`",
-            p.display()
-        );
-        return p;
-    }
-    let cache = std::env::var_os("SLIPWAY_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/slipway")))
-        .unwrap_or_else(|| PathBuf::from(".cache/slipway"));
-    let p = cache.join("models").join(MODEL_FILE);
-    assert!(
-        p.is_file(),
-        "test model not found at {}: run `make model` (or set SLIPWAY_MODEL)",
-        p.display()
-    );
-    p
-}
-
-/// `slipway-engine` next to this test's own target directory (`target/<profile>/`).
-fn engine_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SLIPWAY_ENGINE_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    // target/<profile>/deps/real_engine-<hash> → target/<profile>/slipway-engine
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join(format!("slipway-engine{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.is_file(),
-        "{} not found: run the workspace tests (`make test` / `cargo test`), which build it, \
-         or `cargo build -p slipway-engine`, or set SLIPWAY_ENGINE_BIN",
-        bin.display()
-    );
-    bin
-}
 
 /// The engine process, killed when the test ends however it ends.
 struct Engine {
@@ -81,7 +35,7 @@ impl Drop for Engine {
 }
 
 fn start_engine() -> Engine {
-    let mut child = Command::new(engine_bin())
+    let mut child = Command::new(engine_binary())
         .args(["serve", "--model"])
         .arg(model_path())
         .args([

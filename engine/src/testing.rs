@@ -47,6 +47,33 @@ pub fn model_path() -> PathBuf {
     p
 }
 
+/// `slipway-engine` in the calling test's target directory (`target/<profile>/`), for
+/// the tests of other crates that run the real engine as a process (the workspace's
+/// `cargo test` builds it); `SLIPWAY_ENGINE_BIN` overrides it.
+///
+/// # Panics
+/// If the binary is not there.
+#[must_use]
+pub fn engine_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("SLIPWAY_ENGINE_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("the test executable's path");
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>/slipway-engine
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("tests run from target/<profile>/deps")
+        .join(format!("slipway-engine{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} not found: run the workspace tests (`make test` / `cargo test`), which build it, \
+         or `cargo build -p slipway-engine`, or set SLIPWAY_ENGINE_BIN",
+        bin.display()
+    );
+    bin
+}
+
 /// Directory of llama.cpp's reference outputs (`<repo>/../shared/oracle`).
 #[must_use]
 pub fn oracle_dir() -> PathBuf {

@@ -11,60 +11,17 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use slipway_api::spec::AnalysisSpec;
+use slipway_engine::testing::{engine_binary, model_path};
 use slipway_operator::rollout::analysis::{Thresholds, Verdict, judge};
 use slipway_operator::rollout::source::{Reader, Target};
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL_NAME: &str = "smol";
 const REQUESTS: usize = 12;
-
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("SLIPWAY_MODEL") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "SLIPWAY_MODEL={} does not exist; unset it and run `make model`",
-            p.display()
-        );
-        return p;
-    }
-    let cache = std::env::var_os("SLIPWAY_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/slipway")))
-        .unwrap_or_else(|| PathBuf::from(".cache/slipway"));
-    let p = cache.join("models").join(MODEL_FILE);
-    assert!(
-        p.is_file(),
-        "test model not found at {}: run `make model` (or set SLIPWAY_MODEL)",
-        p.display()
-    );
-    p
-}
-
-/// `slipway-engine` in this test's target directory (`target/<profile>/`).
-fn engine_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SLIPWAY_ENGINE_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps")
-        .join(format!("slipway-engine{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.is_file(),
-        "{} not found: `cargo build -p slipway-engine` (the workspace tests build it), or set SLIPWAY_ENGINE_BIN",
-        bin.display()
-    );
-    bin
-}
 
 /// An engine process, killed when dropped.
 struct Engine {
@@ -81,7 +38,7 @@ impl Drop for Engine {
 }
 
 fn start_engine(release: &str, extra: &[&str]) -> Engine {
-    let mut child = Command::new(engine_bin())
+    let mut child = Command::new(engine_binary())
         .args(["serve", "--model"])
         .arg(model_path())
         .args([
