@@ -1,6 +1,7 @@
 //! Router tests on the real model through `tower::ServiceExt::oneshot`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request as HttpRequest, StatusCode};
@@ -499,15 +500,25 @@ async fn tenants_over_their_rate_get_429_and_metrics_count_outcomes() {
     generated.push(completion_tokens(r).await);
     let total: f64 = generated.iter().sum();
 
-    let (s, text, _) = send(&app, "GET", "/metrics", Body::empty(), false).await;
-    assert_eq!(s, StatusCode::OK);
+    let lab = format!("{{model=\"{MODEL}\",release=\"test\"}}");
+    // The engine task updates its gauges on its next loop after the last token was
+    // sent, which can be just after the response ended: wait for it to settle.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (s, text, _) = send(&app, "GET", "/metrics", Body::empty(), false).await;
+        assert_eq!(s, StatusCode::OK);
+        let running = metric(&text, &format!("slipway_num_requests_running{lab}"));
+        if running == 0.0 || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let l = |o: &str| {
         format!("slipway_requests_total{{model=\"{MODEL}\",release=\"test\",outcome=\"{o}\"}}")
     };
     assert_eq!(metric(&text, &l("ok")), 2.0);
     assert_eq!(metric(&text, &l("rejected_429")), 1.0);
     assert_eq!(metric(&text, &l("rejected_503")), 0.0);
-    let lab = format!("{{model=\"{MODEL}\",release=\"test\"}}");
     assert_eq!(
         metric(&text, &format!("slipway_generation_tokens_total{lab}")),
         total
