@@ -18,6 +18,7 @@
 //! here silently skips — a missing binary or a failed build is an error.
 
 pub mod audit;
+pub mod build;
 mod cluster;
 pub mod crd;
 mod error;

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, Command, ExitCode};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, ResourceExt};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
+use slipway_e2e::build::cargo_build;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
 
@@ -134,42 +135,13 @@ fn main() -> ExitCode {
     conclusion.exit_code()
 }
 
-/// Builds the operator binary as `cargo build` would for a user, and returns its path.
+/// Builds the operator binary (once per test run) and returns its path.
 fn build_operator() -> anyhow::Result<PathBuf> {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     if let Some(path) = BUILT.get() {
         return Ok(path.clone());
     }
-    // The cargo that built this test (so the same toolchain and target directory);
-    // a bare `cargo` could resolve to another toolchain and rebuild everything.
-    let cargo = std::env::var("CARGO")
-        .ok()
-        .or_else(|| option_env!("CARGO").map(str::to_owned))
-        .unwrap_or_else(|| "cargo".to_owned());
-    let output = Command::new(cargo)
-        .current_dir(manifests::repo_root())
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "slipway-operator",
-            "--bin",
-            "slipway-operator",
-            "--message-format=json",
-        ])
-        .stderr(Stdio::inherit())
-        .output()
-        .context("running cargo build")?;
-    ensure!(
-        output.status.success(),
-        "cargo build -p slipway-operator failed"
-    );
-    let path = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|message| message["target"]["name"] == "slipway-operator")
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .context("cargo reported no slipway-operator executable")?;
+    let path = cargo_build("slipway-operator", "slipway-operator")?;
     Ok(BUILT.get_or_init(|| path).clone())
 }
 

@@ -42,6 +42,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
+use slipway_e2e::build::cargo_build;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests};
 
@@ -151,36 +152,6 @@ impl Tools {
             model,
         })
     }
-}
-
-/// Builds a binary as `cargo build` would for a user, with the cargo that built this
-/// test (same toolchain and target directory), and returns its path.
-fn cargo_build(package: &str, bin: &str) -> anyhow::Result<PathBuf> {
-    let cargo = std::env::var("CARGO")
-        .ok()
-        .or_else(|| option_env!("CARGO").map(str::to_owned))
-        .unwrap_or_else(|| "cargo".to_owned());
-    let output = Command::new(cargo)
-        .current_dir(manifests::repo_root())
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            package,
-            "--bin",
-            bin,
-            "--message-format=json",
-        ])
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running cargo build -p {package}"))?;
-    ensure!(output.status.success(), "cargo build -p {package} failed");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|message| message["target"]["name"] == bin)
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .with_context(|| format!("cargo reported no {bin} executable"))
 }
 
 /// A child process, killed (SIGKILL, by its own handle) and reaped when dropped.
