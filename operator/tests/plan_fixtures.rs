@@ -5,6 +5,8 @@
 //! Fixture pods leave `templateHash` and `release` out to mean "as the plan renders
 //! them now"; the runner fills them in from a plan of an empty cluster.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -16,6 +18,8 @@ use slipway_api::InferenceService;
 use slipway_operator::observed::{Observed, ObservedNode};
 use slipway_operator::plan::{Child, ChildKind, Plan};
 use slipway_operator::{labels, plan};
+
+use common::{merge, root};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -80,25 +84,6 @@ struct ExpectCondition {
     reason: Option<String>,
     message_contains: Option<String>,
     last_transition_time: Option<String>,
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn merge(target: &mut Value, patch: &Value) {
-    match (target, patch) {
-        (Value::Object(target), Value::Object(patch)) => {
-            for (key, value) in patch {
-                if value.is_null() {
-                    target.remove(key);
-                } else {
-                    merge(target.entry(key.clone()).or_insert(Value::Null), value);
-                }
-            }
-        }
-        (target, patch) => *target = patch.clone(),
-    }
 }
 
 fn load(path: &Path) -> Result<(Fixture, InferenceService, Observed), String> {

@@ -20,6 +20,8 @@
 //! `lastRollback` (`{release, reasonContains, shortBurnRate, longBurnRate}`),
 //! `conditions` (`{type, status, reason, messageContains}`).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -33,6 +35,8 @@ use slipway_operator::observed::{Observed, ObservedNode, ObservedPod, Phase};
 use slipway_operator::plan::{Child, ChildKind, Plan};
 use slipway_operator::rollout::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
 use slipway_operator::{labels, plan};
+
+use common::{merge, root};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -110,25 +114,6 @@ const ROLLOUT_EVENTS: [&str; 6] = [
     "RolloutReverted",
     "RolloutPaused",
 ];
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn merge(target: &mut Value, patch: &Value) {
-    match (target, patch) {
-        (Value::Object(target), Value::Object(patch)) => {
-            for (key, value) in patch {
-                if value.is_null() {
-                    target.remove(key);
-                } else {
-                    merge(target.entry(key.clone()).or_insert(Value::Null), value);
-                }
-            }
-        }
-        (target, patch) => *target = patch.clone(),
-    }
-}
 
 /// `expected` is a subset of `actual`.
 fn subset(expected: &Value, actual: &Value, at: &str) -> Result<(), String> {
