@@ -3,10 +3,14 @@
 
 E2E_CLUSTER := e2e/cluster
 
-.PHONY: e2e e2e-build e2e-up e2e-down
+.PHONY: e2e e2e-build e2e-images e2e-up e2e-down
 
-e2e-build: ## compile etcd, kube-* , kubectl, kwok, kwokctl from source into $SLIPWAY_CACHE/k8s (once per pin set)
+e2e-build: ## compile etcd, kube-*, kubectl, kwok, kubelet, containerd, pause from source into $SLIPWAY_CACHE/k8s (once per pin set), then the engine/operator images
 	$(E2E_CLUSTER)/build
+	$(E2E_CLUSTER)/build-images
+
+e2e-images: ## only the engine/operator/pause OCI images the real nodes run (release build as the Dockerfile's)
+	$(E2E_CLUSTER)/build-images
 
 e2e: e2e-build ## bring the control plane up (building it if needed), run the e2e tests, tear it down
 	$(CARGO) test --locked -p slipway-e2e

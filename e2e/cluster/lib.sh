@@ -49,7 +49,15 @@ cache_root() { printf '%s' "${SLIPWAY_K8S_CACHE:-$(slipway_cache)/k8s}"; }
 cache_dir() { printf '%s/%s' "$(cache_root)" "$(cache_key)"; }
 bin_dir() { printf '%s/bin' "$(cache_dir)"; }
 
-REQUIRED_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok kwokctl)
+REQUIRED_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok kwokctl
+  kubelet containerd containerd-shim-runc-v2 ctr pause)
+
+# Debian packages the real nodes use, as `command=package` for
+# scripts/ensure-debian-packages: the OCI runtime, the CNI plugins (bridge,
+# host-local, loopback, portmap) and socat (the nodes reach the API server's
+# loopback port through a Unix socket, see ./up).
+NODE_PACKAGES=(runc=runc /usr/lib/cni/bridge=containernetworking-plugins socat=socat)
+CNI_BIN_DIR=/usr/lib/cni
 
 # Where `up` keeps a cluster: kwokctl's work dir (pids/, logs/, etcd data, pki,
 # kubeconfig). Outside the repository, one directory per cluster name.
@@ -57,3 +65,22 @@ CLUSTER_NAME="${SLIPWAY_E2E_CLUSTER:-slipway-e2e}"
 state_root() { printf '%s' "${SLIPWAY_E2E_STATE:-$(slipway_cache)/e2e-clusters}"; }
 cluster_workdir() { printf '%s/clusters/%s' "$(state_root)" "${CLUSTER_NAME}"; }
 admin_kubeconfig() { printf '%s/admin.kubeconfig' "$(cluster_workdir)"; }
+
+# The pause image's tag: TAG in build/pause/Makefile of the pinned Kubernetes module.
+pause_tag() { # <k8s.io/kubernetes module dir>
+  local tag
+  tag="$(sed -n 's/^TAG ?= *//p' "$1/build/pause/Makefile" | head -n1)"
+  [ -n "$tag" ] || die "no TAG in $1/build/pause/Makefile"
+  printf '%s' "$tag"
+}
+
+# Images for the real nodes (./build-images): $SLIPWAY_CACHE/images.
+images_dir() { printf '%s/images' "$(slipway_cache)"; }
+# The sandbox image's name: local (never pulled), tagged with the version the
+# pause binary reports ("pause.c v3.10.2-slipway" -> 3.10.2).
+pause_image_name() {
+  local version
+  version="$("$(bin_dir)/pause" -v 2>&1 | sed -n 's/^pause\.c v\([0-9][0-9.]*\).*/\1/p')"
+  [ -n "$version" ] || die "$(bin_dir)/pause -v did not report a version"
+  printf 'localhost/slipway/pause:%s' "$version"
+}
