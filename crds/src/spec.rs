@@ -72,6 +72,14 @@ pub struct InferenceServiceSpec {
     /// canary rollout of the new bundle, identified by its hash.
     pub release: ReleaseBundle,
 
+    /// The model name clients send in the OpenAI API's `model` field, and that
+    /// `/v1/models` lists. Unset: the InferenceService's name. It is not part of the
+    /// release bundle, so a new release keeps the name clients already use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9][A-Za-z0-9._:/-]*$')").message("servedModelName must start with a letter or digit and hold only letters, digits, '.', '_', ':', '/' and '-'"))]
+    pub served_model_name: Option<String>,
+
     /// How one replica (a "group") is split over GPUs.
     #[serde(default)]
     pub parallelism: Parallelism,

@@ -16,11 +16,21 @@ use crate::manifests::repo_root;
 /// # Errors
 /// cargo cannot start, the build fails, or cargo reports no such executable.
 pub fn cargo_build(package: &str, bin: &str) -> Result<PathBuf> {
+    cargo_build_features(package, bin, &[])
+}
+
+/// [`cargo_build`] with cargo features of `package` turned on (a test build, such as
+/// the engine's `fault-injection`).
+///
+/// # Errors
+/// As [`cargo_build`].
+pub fn cargo_build_features(package: &str, bin: &str, features: &[&str]) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO")
         .ok()
         .or_else(|| option_env!("CARGO").map(str::to_owned))
         .unwrap_or_else(|| "cargo".to_owned());
-    let command = format!("{cargo} build -p {package} --bin {bin}");
+    let features = features.join(",");
+    let command = format!("{cargo} build -p {package} --bin {bin} --features={features}");
     let output = Command::new(&cargo)
         .current_dir(repo_root())
         .args([
@@ -30,6 +40,7 @@ pub fn cargo_build(package: &str, bin: &str) -> Result<PathBuf> {
             package,
             "--bin",
             bin,
+            &format!("--features={features}"),
             "--message-format=json",
         ])
         .stderr(Stdio::inherit())

@@ -42,7 +42,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
-use slipway_e2e::build::cargo_build;
+use slipway_e2e::build::{cargo_build, cargo_build_features};
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests};
 
@@ -146,7 +146,8 @@ impl Tools {
         );
         Ok(Self {
             operator: cargo_build("slipway-operator", "slipway-operator")?,
-            engine: cargo_build("slipway-engine", "slipway-engine")?,
+            // A test build: the bad bundle's engines run with `--inject-delay-ms`.
+            engine: cargo_build_features("slipway-engine", "slipway-engine", &["fault-injection"])?,
             bench: cargo_build("slipway-bench", "slipway-bench")?,
             prometheus,
             model,

@@ -33,10 +33,8 @@
 //! URLs are logged and reported without their query string: model URLs are often
 //! pre-signed, and the signature is a credential.
 
-use std::fmt;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
 use futures::StreamExt as _;
@@ -50,69 +48,10 @@ use tracing::{debug, info, warn};
 /// Buffer for reading staged files back through the hasher and for writing chunks.
 const IO_BUFFER: usize = 1 << 20;
 
-/// A sha256 digest, written as 64 hex digits (either case) on the command line.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Sha256Digest(pub [u8; 32]);
+pub use slipway_contract::fetch::{FetchArgs, InvalidSha256, Sha256Digest};
 
-/// `--sha256` was not 64 hex digits.
-#[derive(Debug, thiserror::Error)]
-#[error("a sha256 is 64 hex digits, got {0:?}")]
-pub struct InvalidSha256(String);
-
-impl FromStr for Sha256Digest {
-    type Err = InvalidSha256;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut out = [0u8; 32];
-        hex::decode_to_slice(s.trim(), &mut out).map_err(|_| InvalidSha256(s.to_owned()))?;
-        Ok(Self(out))
-    }
-}
-
-impl fmt::Display for Sha256Digest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&hex::encode(self.0))
-    }
-}
-
-impl fmt::Debug for Sha256Digest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Sha256Digest({self})")
-    }
-}
-
-impl Sha256Digest {
-    fn of(hasher: &Sha256) -> Self {
-        Self(hasher.clone().finalize().into())
-    }
-}
-
-/// The `fetch` subcommand's flags.
-#[derive(Debug, Clone, clap::Args)]
-pub struct FetchArgs {
-    /// The http:// or https:// URL of the file.
-    pub url: String,
-    /// The sha256 of the whole file (64 hex digits); checked before anything appears at --dest.
-    #[arg(long, value_name = "HEX")]
-    pub sha256: Sha256Digest,
-    /// Where the verified file goes. Bytes are staged in PATH.partial next to it, which a
-    /// rerun resumes from.
-    #[arg(long, value_name = "PATH")]
-    pub dest: PathBuf,
-    /// Overall limit for the whole fetch in seconds, retries and backoff included.
-    #[arg(long, value_name = "SECS", default_value_t = 3600,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub timeout: u64,
-    /// Seconds without a byte from the server before an attempt is given up and retried.
-    #[arg(long, value_name = "SECS", default_value_t = 60,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub stall_timeout: u64,
-    /// Retries after the first attempt; each resumes where the last one stopped.
-    #[arg(long, value_name = "N", default_value_t = 5)]
-    pub retries: u32,
-    /// First backoff delay in milliseconds; it doubles per consecutive failure, up to 30 s.
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
-    pub backoff_ms: u64,
+fn digest_of(hasher: &Sha256) -> Sha256Digest {
+    Sha256Digest(hasher.clone().finalize().into())
 }
 
 /// Everything one fetch needs; [`FetchConfig::new`] fills in the defaults.
@@ -136,17 +75,7 @@ pub struct FetchConfig {
 impl FetchConfig {
     /// A config with the CLI's defaults (1 h overall, 60 s stall, 5 retries from 1 s).
     pub fn new(url: impl Into<String>, sha256: Sha256Digest, dest: impl Into<PathBuf>) -> Self {
-        Self {
-            url: url.into(),
-            sha256,
-            dest: dest.into(),
-            timeout: Duration::from_secs(3600),
-            stall_timeout: Duration::from_secs(60),
-            retries: 5,
-            backoff_initial: Duration::from_secs(1),
-            backoff_max: Duration::from_secs(30),
-            progress_interval: Duration::from_secs(5),
-        }
+        Self::from(&FetchArgs::new(url, sha256, dest))
     }
 
     /// # Errors
@@ -168,7 +97,7 @@ impl FetchConfig {
             return bad(format!("--dest {}: not a file path", self.dest.display()));
         }
         if self.timeout.is_zero() || self.stall_timeout.is_zero() {
-            return bad("--timeout and --stall-timeout must be positive".to_owned());
+            return bad("--timeout-ms and --stall-timeout-ms must be positive".to_owned());
         }
         Ok(())
     }
@@ -177,11 +106,15 @@ impl FetchConfig {
 impl From<&FetchArgs> for FetchConfig {
     fn from(args: &FetchArgs) -> Self {
         Self {
-            timeout: Duration::from_secs(args.timeout),
-            stall_timeout: Duration::from_secs(args.stall_timeout),
+            url: args.url.clone(),
+            sha256: args.sha256,
+            dest: args.dest.clone(),
+            timeout: args.timeout,
+            stall_timeout: args.stall_timeout,
             retries: args.retries,
-            backoff_initial: Duration::from_millis(args.backoff_ms),
-            ..Self::new(args.url.clone(), args.sha256, args.dest.clone())
+            backoff_initial: args.backoff,
+            backoff_max: Duration::from_secs(30),
+            progress_interval: Duration::from_secs(5),
         }
     }
 }
@@ -368,6 +301,63 @@ pub fn run(args: &FetchArgs) -> Result<FetchOutcome, FetchError> {
         .block_on(fetch(&config))
 }
 
+/// A model file that is not the one the release names.
+#[derive(Debug, thiserror::Error)]
+pub enum VerifyError {
+    #[error(
+        "model {} failed verification: its sha256 is {actual} ({bytes} bytes), the release names {expected}",
+        path.display()
+    )]
+    Mismatch {
+        path: PathBuf,
+        expected: Sha256Digest,
+        actual: Sha256Digest,
+        bytes: u64,
+    },
+    #[error("reading {} to verify its sha256: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Hashes the file at `path` and compares it with `expected`, before anything loads
+/// it: whatever staged it (the image, a volume, `fetch`), a file that is not the
+/// release's model is never served. Returns its size.
+///
+/// # Errors
+/// [`VerifyError::Mismatch`], or the I/O error reading it.
+pub fn verify_file(path: &Path, expected: &Sha256Digest) -> Result<u64, VerifyError> {
+    use std::io::Read as _;
+    let io = |source| VerifyError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; IO_BUFFER];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    let actual = digest_of(&hasher);
+    if actual == *expected {
+        Ok(bytes)
+    } else {
+        Err(VerifyError::Mismatch {
+            path: path.to_owned(),
+            expected: *expected,
+            actual,
+            bytes,
+        })
+    }
+}
+
 /// Downloads `config.url` to `config.dest`, verified by its sha256.
 ///
 /// # Errors
@@ -391,7 +381,7 @@ pub async fn fetch(config: &FetchConfig) -> Result<FetchOutcome, FetchError> {
         .map_err(io("checking", dest))?
     {
         let (hasher, bytes) = hash_file(dest).await?;
-        let actual = Sha256Digest::of(&hasher);
+        let actual = digest_of(&hasher);
         if actual == config.sha256 {
             info!(dest = %dest.display(), bytes, sha256 = %actual, "already present and verified; nothing to fetch");
             return Ok(FetchOutcome::AlreadyPresent);
@@ -448,7 +438,7 @@ async fn download(
         let failure = match transfer.attempt(&mut staged).await {
             Ok(()) => {
                 staged.finish().await?;
-                let actual = Sha256Digest::of(&staged.hasher);
+                let actual = digest_of(&staged.hasher);
                 if actual == config.sha256 {
                     let bytes = staged.len;
                     drop(staged);

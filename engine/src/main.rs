@@ -1,18 +1,27 @@
 //! `slipway-engine`: the engine's command line.
 //!
 //! Subcommands are variants of [`Command`], each with its own `clap::Args` struct
-//! and `run_*` function; `generate` and `score` join `tokenize` here. Serving
+//! and `run_*` function; `generate` and `score` join `tokenize` here. The two a pod
+//! runs, `serve` and `fetch`, are [`slipway_contract::EngineCommand`]: the operator
+//! renders pods from that same type, so the flags cannot drift apart. Serving
 //! never downloads: `--model` (or `SLIPWAY_MODEL`) names a local GGUF file, which
 //! `fetch` (the operator's init container) stages beforehand for network sources.
-//! Results go to stdout; logs go to stderr (`RUST_LOG` filters them).
+//! Results go to stdout; logs go to stderr (`RUST_LOG` filters them; colours only on
+//! a terminal, so `kubectl logs` reads clean). A failure prints one `Error: ...` line
+//! last, which the pod's termination message picks up, and exits with a code from
+//! [`slipway_contract::exit`].
 
 mod commands;
 mod serve;
 
+use std::io::IsTerminal as _;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
+use slipway_contract::{EngineCommand, exit};
+use slipway_engine::fetch::{FetchError, VerifyError};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::tokenizer::{DecodeOptions, EncodeOptions, Tokenizer};
 
@@ -23,6 +32,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process; boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Turn text into the model's token ids (special tokens such as
@@ -35,12 +46,9 @@ enum Command {
     Score(commands::ScoreArgs),
     /// Measure prompt processing, single-stream and aggregate decode tokens/s.
     Bench(commands::BenchArgs),
-    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching,
-    /// prefix cache, SSE streaming); drains on SIGTERM or POST /admin/drain.
-    Serve(serve::ServeArgs),
-    /// Download a model file from an http(s) URL into --dest, verified by its sha256:
-    /// resumable, retried with backoff, bounded by timeouts (the operator's init container).
-    Fetch(slipway_engine::fetch::FetchArgs),
+    /// `serve` and `fetch`: what the operator's pods run.
+    #[command(flatten)]
+    Pod(EngineCommand),
 }
 
 /// Where the model file is.
@@ -63,7 +71,7 @@ struct TokenizeArgs {
     json: bool,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -73,18 +81,47 @@ fn main() -> anyhow::Result<()> {
                 }),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Tokenize(args) => run_tokenize(&args),
         Command::Generate(args) => commands::run_generate(&args),
         Command::Score(args) => commands::run_score(&args),
         Command::Bench(args) => commands::run_bench(&args),
-        Command::Serve(args) => serve::run_serve(&args),
-        Command::Fetch(args) => slipway_engine::fetch::run(&args)
+        Command::Pod(EngineCommand::Serve(args)) => serve::run_serve(&args),
+        Command::Pod(EngineCommand::Fetch(args)) => slipway_engine::fetch::run(&args)
             .map(drop)
             .map_err(Into::into),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // One line, last: the pod's termination message (FallbackToLogsOnError).
+            eprintln!("Error: {error:#}");
+            ExitCode::from(exit_code(&error))
+        }
     }
+}
+
+/// [`exit::MODEL_REJECTED`] when the model is not the release's, else
+/// [`exit::FAILURE`].
+fn exit_code(error: &anyhow::Error) -> u8 {
+    let rejected = error.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<VerifyError>(),
+            Some(VerifyError::Mismatch { .. })
+        ) || matches!(
+            cause.downcast_ref::<FetchError>(),
+            Some(FetchError::ChecksumMismatch { .. })
+        )
+    });
+    let code = if rejected {
+        exit::MODEL_REJECTED
+    } else {
+        exit::FAILURE
+    };
+    u8::try_from(code).unwrap_or(1)
 }
 
 fn open_tokenizer(model: &ModelArgs) -> anyhow::Result<(GgufFile, Tokenizer)> {

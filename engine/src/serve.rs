@@ -1,29 +1,31 @@
-//! `slipway-engine serve`: load the model, start the engine actor and the HTTP API,
-//! and drain on SIGTERM, Ctrl-C or `POST /admin/drain`.
+//! `slipway-engine serve`: verify and load the model, start the engine actor and the
+//! HTTP API, and drain on SIGTERM or Ctrl-C. The flags are
+//! [`slipway_contract::ServeArgs`], the type the operator renders pods from.
 //!
 //! Drain order: `/ready` turns false and new requests get 503 with `Retry-After` at
-//! once; admitted requests keep running until none is left or `--shutdown-timeout`
+//! once; admitted requests keep running until none is left or `--shutdown-timeout-ms`
 //! passes; those still running then are ended with an explicit error (an SSE
 //! `error` object then `[DONE]`, or a 503 JSON body), counted as outcome `error`;
-//! then the listener closes and the process exits 0.
+//! then the listener closes and the process exits 0. There is no drain endpoint: in
+//! a pod the kubelet's SIGTERM (after the preStop hook) is the one way to drain, so
+//! no client reaching the serving port can take a replica out.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::Args;
+use slipway_contract::ServeArgs;
 use slipway_engine::backend::cpu::CpuConfig;
 use slipway_engine::backend::cuda::runner::DeviceConfig;
-use slipway_engine::backend::{BackendOptions, DeviceChoice, select};
+use slipway_engine::backend::{BackendOptions, select};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaConfig;
 use slipway_engine::serving::admission::{Admission, AdmissionConfig, TenantRate};
 use slipway_engine::serving::block_manager::BlockManagerConfig;
 use slipway_engine::serving::engine::{EngineConfig, spawn_with_metrics};
-use slipway_engine::serving::http::{ApiConfig, AppState, FaultConfig, ModelText, router};
+use slipway_engine::serving::http::{ApiConfig, AppState, ModelText, router};
 use slipway_engine::serving::metrics::{ServingMetrics, SloTargets};
 use slipway_engine::serving::scheduler::SchedulerConfig;
 use slipway_engine::template::ChatTemplate;
@@ -31,144 +33,6 @@ use slipway_engine::tokenizer::Tokenizer;
 
 /// KV blocks when neither `--kv-blocks` nor `--kv-memory` is given.
 const DEFAULT_KV_BLOCKS: usize = 2048;
-
-/// `serve` options.
-#[derive(Debug, Args)]
-#[command(
-    after_help = "Metrics (GET /metrics, Prometheus text; OpenMetrics on Accept): \
-slipway_requests_total{outcome}, slipway_requests_slo_met_total, latency histograms, \
-slipway_num_requests_waiting (queue size) and slipway_kv_cache_usage_perc (KV \
-utilisation, 0..1) for the Gateway API Inference Extension's endpoint picker."
-)]
-pub struct ServeArgs {
-    /// Path of a GGUF model file (`make model` fetches the test model).
-    #[arg(long, env = "SLIPWAY_MODEL", value_name = "PATH")]
-    pub model: PathBuf,
-    /// Address to listen on. Keep the loopback default unless a proxy or the pod
-    /// network must reach the engine.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: std::net::IpAddr,
-    /// TCP port to listen on (0: any free port, printed at start).
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
-    /// Name served as `model` in the API (default: the file name without extension).
-    #[arg(long)]
-    pub served_model_name: Option<String>,
-    /// Release bundle hash this engine serves (the operator sets it); the `release`
-    /// label of every metric.
-    #[arg(long, default_value = "dev")]
-    pub release: String,
-    /// Prefix-cache namespace: requests under different namespaces never share KV
-    /// blocks. The operator sets it from the release so releases never mix caches.
-    #[arg(long, default_value = "default")]
-    pub kv_namespace: String,
-    /// SLO time-to-first-token target in ms (the InferenceService's default, 2 s):
-    /// a successful request within it and --slo-tpot-ms counts in
-    /// slipway_requests_slo_met_total.
-    #[arg(long, default_value_t = 2000)]
-    pub slo_ttft_ms: u64,
-    /// SLO time-per-output-token target in ms (the InferenceService's default):
-    /// (E2E − TTFT)/(output tokens − 1).
-    #[arg(long, default_value_t = 150)]
-    pub slo_tpot_ms: u64,
-    /// Most requests running (holding KV) at once; more wait in the queue.
-    #[arg(long, default_value_t = 64)]
-    pub max_num_seqs: usize,
-    /// Most requests waiting beyond --max-num-seqs; more are refused with 503 and
-    /// Retry-After.
-    #[arg(long, default_value_t = 256)]
-    pub max_queue: usize,
-    /// A request whose estimated wait before starting exceeds this many ms is
-    /// refused (503, Retry-After) rather than queued to miss its deadline.
-    #[arg(long, default_value_t = 20_000)]
-    pub max_queue_wait_ms: u64,
-    /// Token budget of one forward step: running decodes first, then prefill chunks
-    /// with what is left. Smaller keeps inter-token latency low under load.
-    #[arg(long, default_value_t = 512)]
-    pub max_batched_tokens: usize,
-    /// KV blocks (16 positions each) in the pool: the engine's memory for context
-    /// [default: 2048]. Admitted work never claims more than the pool: a request
-    /// reserves blocks for its prompt plus max_tokens.
-    #[arg(long, conflicts_with = "kv_memory")]
-    pub kv_blocks: Option<usize>,
-    /// KV pool size as memory instead of blocks, e.g. 512MiB, 2GiB, 1500000000
-    /// (the number of blocks that fit).
-    #[arg(long, value_parser = parse_size)]
-    pub kv_memory: Option<u64>,
-    /// Per-tenant rate in tokens (prompt + max_tokens) per second; over it, 429 with
-    /// Retry-After. The tenant is the API key (Authorization: Bearer) or the
-    /// x-tenant header. Off by default.
-    #[arg(long)]
-    pub tenant_rate: Option<f64>,
-    /// Per-tenant burst in tokens [default: 10 s of --tenant-rate, at least one full
-    /// context].
-    #[arg(long, requires = "tenant_rate")]
-    pub tenant_burst: Option<f64>,
-    /// Context length (prompt + output), at most the model's trained length.
-    #[arg(long)]
-    pub max_model_len: Option<usize>,
-    /// Seconds admitted requests get to finish after a drain starts; those still
-    /// running then end with an explicit error. The operator sets it from the pod's
-    /// termination grace period.
-    #[arg(long, default_value_t = 30)]
-    pub shutdown_timeout: u64,
-    /// CPU worker threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-    /// Backend: `cpu`, `cuda` (fail if the GPU backend cannot start), or `auto`
-    /// (CUDA when this binary has the `cuda` feature and a GPU with its driver is
-    /// present, else the CPU backend, with a log line saying why).
-    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(DeviceChoice))]
-    pub device: DeviceChoice,
-    /// GPU ordinal for `--device cuda|auto`.
-    #[arg(long, default_value_t = 0)]
-    pub gpu: usize,
-    /// TEST ONLY (fault injection for rollout tests): ms of delay added to every
-    /// decode step, making the release slow. 0 (off) in production.
-    #[arg(long, default_value_t = 0)]
-    pub inject_delay_ms: u64,
-    /// TEST ONLY (fault injection for rollout tests): fraction 0..1 of admitted
-    /// requests that fail with a 500 error, counted as outcome=error. 0 (off) in
-    /// production.
-    #[arg(long, default_value_t = 0.0)]
-    pub inject_error_rate: f64,
-    /// TEST ONLY: seed of the --inject-error-rate draw, for repeatable runs.
-    #[arg(long, default_value_t = 0)]
-    pub inject_seed: u64,
-}
-
-/// Parses a byte size: a number with an optional K/M/G/T suffix, binary (KiB, MiB,
-/// ...) or decimal (KB, MB, ...; bare K/M/G/T are binary).
-///
-/// # Errors
-/// A message for anything else.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size like 512MiB or 2GiB"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "m" | "mib" => 1024f64.powi(2),
-        "g" | "gib" => 1024f64.powi(3),
-        "t" | "tib" => 1024f64.powi(4),
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        other => return Err(format!("unknown size unit `{other}` in `{s}`")),
-    };
-    let bytes = n * mult;
-    if !(1.0..1.8e19).contains(&bytes) {
-        return Err(format!("`{s}` is out of range"));
-    }
-    Ok(bytes as u64)
-}
 
 /// Bytes of one KV block on the CPU backend: keys and values (f32) of every layer
 /// and KV head for `block_size` positions.
@@ -198,6 +62,11 @@ fn blocks_in(bytes: u64, per_block: u64) -> anyhow::Result<usize> {
 /// # Errors
 /// A model that cannot load, a bad setting, or an address that cannot be bound.
 pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
+    if let Some(expected) = &args.model_sha256 {
+        let started = std::time::Instant::now();
+        let bytes = slipway_engine::fetch::verify_file(&args.model, expected)?;
+        tracing::info!(model = %args.model.display(), bytes, elapsed = ?started.elapsed(), "model sha256 verified");
+    }
     let file = GgufFile::open(&args.model)?;
     let tokenizer = Tokenizer::from_metadata(file.metadata())
         .with_context(|| format!("loading the tokenizer of {}", args.model.display()))?;
@@ -223,7 +92,8 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     };
     let options = BackendOptions {
         cpu: CpuConfig {
-            threads: args.threads,
+            // 0: one worker per core.
+            threads: args.threads.map_or(0, usize::from),
             num_blocks: cpu_blocks,
             block_size,
         },
@@ -232,7 +102,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             num_blocks: gpu_blocks,
             ..DeviceConfig::default()
         },
-        gpu: args.gpu,
+        gpu: args.gpu.unwrap_or(0),
     };
     let (runner, device) = select(args.device, &file, &options)
         .with_context(|| format!("starting a backend for {}", args.model.display()))?;
@@ -249,7 +119,8 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
                 enable_prefix_cache: true,
             },
         },
-        inject_step_delay: Duration::from_millis(args.inject_delay_ms),
+        #[cfg(feature = "fault-injection")]
+        inject_step_delay: args.faults.inject_delay,
         ..EngineConfig::default()
     };
     config.validate().map_err(|e| anyhow::anyhow!(e))?;
@@ -263,7 +134,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         max_queue: args.max_queue,
         kv_budget_blocks: g.num_blocks,
         block_size: g.block_size,
-        queue_deadline: Duration::from_millis(args.max_queue_wait_ms),
+        queue_deadline: args.max_queue_wait,
         tenant_rate: args.tenant_rate.map(|r| TenantRate {
             tokens_per_s: r,
             burst: args
@@ -272,25 +143,31 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         }),
     })
     .map_err(|e| anyhow::anyhow!(e))?;
+    // Without `fault-injection` the default fills in `faults` (off); with it, every
+    // field is set and the update is a no-op clippy flags.
+    #[allow(clippy::needless_update)]
     let api = ApiConfig {
         model_name: name.clone(),
         kv_namespace: args.kv_namespace.clone(),
         max_model_len,
+        max_output_tokens: usize::try_from(args.max_output_tokens).unwrap_or(usize::MAX),
         slo: SloTargets {
-            ttft: Duration::from_millis(args.slo_ttft_ms),
-            tpot: Duration::from_millis(args.slo_tpot_ms),
+            ttft: args.slo_ttft,
+            tpot: args.slo_tpot,
         },
-        faults: FaultConfig {
-            error_rate: args.inject_error_rate,
-            seed: args.inject_seed,
+        #[cfg(feature = "fault-injection")]
+        faults: slipway_engine::serving::http::FaultConfig {
+            error_rate: args.faults.inject_error_rate,
+            seed: args.faults.inject_seed,
         },
         ..ApiConfig::default()
     };
     api.validate().map_err(|e| anyhow::anyhow!(e))?;
-    if args.inject_delay_ms > 0 || args.inject_error_rate > 0.0 {
+    #[cfg(feature = "fault-injection")]
+    if !args.faults.inject_delay.is_zero() || args.faults.inject_error_rate > 0.0 {
         tracing::warn!(
-            delay_ms = args.inject_delay_ms,
-            error_rate = args.inject_error_rate,
+            delay = ?args.faults.inject_delay,
+            error_rate = args.faults.inject_error_rate,
             "fault injection is on (test only)"
         );
     }
@@ -320,13 +197,13 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
-        tracing::info!(%local, model = %name, release = %args.release, blocks = g.num_blocks, "serving");
+        tracing::info!(%local, model = %name, release = %args.release, blocks = g.num_blocks, max_output_tokens = args.max_output_tokens, "serving");
         println!("listening on http://{local}");
         let shutdown = {
             let state = Arc::clone(&state);
-            let timeout = Duration::from_secs(args.shutdown_timeout);
+            let timeout = args.shutdown_timeout;
             async move {
-                wait_for_drain(&state).await;
+                wait_for_drain().await;
                 state.ready.store(false, Ordering::Relaxed);
                 tracing::info!(?timeout, "draining: admitting nothing new");
                 // Admitted = holding an admission permit, released when its response
@@ -344,7 +221,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
                     let left = admission.load().in_flight;
                     tracing::warn!(left, "shutdown timeout reached; ending the requests still running with an error");
                     let _ = engine
-                        .abort_all("the server shut down before this request finished (--shutdown-timeout)")
+                        .abort_all("the server shut down before this request finished (--shutdown-timeout-ms)")
                         .await;
                 }
             }
@@ -358,7 +235,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn wait_for_drain(state: &AppState) {
+async fn wait_for_drain() {
     #[cfg(unix)]
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -376,25 +253,12 @@ async fn wait_for_drain(state: &AppState) {
     tokio::select! {
         () = term => tracing::info!("SIGTERM"),
         r = tokio::signal::ctrl_c() => if r.is_ok() { tracing::info!("Ctrl-C") },
-        () = state.drain.notified() => {},
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_and_decimal_units() {
-        assert_eq!(parse_size("1500"), Ok(1500));
-        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
-        assert_eq!(parse_size("2G"), Ok(2 << 30));
-        assert_eq!(parse_size("1.5kb"), Ok(1500));
-        for bad in ["", "MiB", "12XB", "-1", "0"] {
-            assert!(parse_size(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn kv_block_bytes_of_smollm2() {

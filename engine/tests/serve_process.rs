@@ -29,6 +29,11 @@ struct Server {
 impl Server {
     /// Starts `serve` on a free port and waits for its "listening on" line.
     fn start(extra: &[&str]) -> Self {
+        assert!(
+            cfg!(feature = "fault-injection") || !extra.iter().any(|a| a.starts_with("--inject")),
+            "this test needs the engine's test-only fault injection: run it with \
+             `--features fault-injection` (`make test` and the workspace's `cargo test` do)"
+        );
         let model = model_path();
         let mut child = Command::new(env!("CARGO_BIN_EXE_slipway-engine"))
             .arg("serve")
@@ -178,7 +183,7 @@ fn finish_reason(chunks: &[String]) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_with_16_streams_in_flight_completes_them_all_and_exits_0() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut server = Server::start(&["--max-num-seqs", "16", "--shutdown-timeout", "60"]);
+    let mut server = Server::start(&["--max-num-seqs", "16", "--shutdown-timeout-ms", "60000"]);
     let c = client();
     let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
     let mut streams = Vec::new();
@@ -251,7 +256,7 @@ async fn requests_still_running_when_the_shutdown_budget_ends_get_an_explicit_er
     let _one = ONE_AT_A_TIME.lock().await;
     // 50 ms per decode step (test-only injection): 300 tokens take 15 s, far past the
     // 1 s budget.
-    let mut server = Server::start(&["--shutdown-timeout", "1", "--inject-delay-ms", "50"]);
+    let mut server = Server::start(&["--shutdown-timeout-ms", "1000", "--inject-delay-ms", "50"]);
     let c = client();
     let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
     let streaming = {

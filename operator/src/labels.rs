@@ -34,9 +34,6 @@ pub const LAST_RESTART: &str = "slipway.dev/last-restart";
 /// On a per-release Service: the release bundle as JSON (see `plan`, rollouts).
 pub const BUNDLE: &str = "slipway.dev/bundle";
 
-/// The engine container's HTTP port.
-pub const ENGINE_PORT: i32 = 8000;
-
 /// Longest InferenceService name that keeps every child name within 63 characters:
 /// `<name>-<10-char hash>` for the per-release Service and `<name>-g999-r511` for pods.
 pub const MAX_NAME_LEN: usize = 63 - 1 - slipway_api::bundle::SHORT_HASH_LEN;

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Node, Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::{Deserialize, Serialize};
 
@@ -139,12 +139,12 @@ pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
                 .chain(s.container_statuses.iter().flatten())
                 .find_map(|c| {
                     let state = c.state.as_ref()?;
-                    state
-                        .waiting
-                        .as_ref()
-                        .and_then(|w| w.reason.clone())
-                        .or_else(|| state.terminated.as_ref().and_then(|t| t.reason.clone()))
-                        .map(|reason| format!("{}: {reason}", c.name))
+                    let why = match (&state.waiting, &state.terminated) {
+                        (Some(waiting), _) => waiting.reason.clone()?,
+                        (None, Some(terminated)) => termination(terminated)?,
+                        (None, None) => return None,
+                    };
+                    Some(format!("{}: {why}", c.name))
                 })
         })
         .or_else(|| status.and_then(|s| s.reason.clone()));
@@ -163,6 +163,33 @@ pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
         terminating: meta.deletion_timestamp.is_some(),
         problem,
         ip: status.and_then(|s| s.pod_ip.clone()),
+    })
+}
+
+/// Longest part of a termination message quoted in a condition or event.
+const MESSAGE_QUOTE_LEN: usize = 300;
+
+/// Why a container ended, for a person: the engine's own exit code meaning when it
+/// has one, and the last line of its termination message (the engine's `Error: ...`
+/// line, which kubelet copies from its log under `FallbackToLogsOnError`).
+fn termination(terminated: &ContainerStateTerminated) -> Option<String> {
+    let reason = match terminated.exit_code {
+        slipway_contract::exit::MODEL_REJECTED => "model rejected".to_owned(),
+        slipway_contract::exit::USAGE => "engine arguments rejected".to_owned(),
+        _ => terminated.reason.clone()?,
+    };
+    let last_line = terminated
+        .message
+        .as_deref()
+        .and_then(|m| m.lines().rev().find(|l| !l.trim().is_empty()))
+        .map(|l| l.trim().trim_start_matches("Error: "));
+    Some(match last_line {
+        Some(line) if line.chars().count() > MESSAGE_QUOTE_LEN => format!(
+            "{reason}: {}…",
+            line.chars().take(MESSAGE_QUOTE_LEN).collect::<String>()
+        ),
+        Some(line) => format!("{reason}: {line}"),
+        None => reason,
     })
 }
 
@@ -208,7 +235,7 @@ pub fn node_from(node: &Node) -> ObservedNode {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        ContainerState, ContainerStateTerminated, ContainerStatus, PodCondition, PodSpec, PodStatus,
+        ContainerState, ContainerStatus, PodCondition, PodSpec, PodStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use k8s_openapi::jiff::Timestamp;
@@ -295,5 +322,39 @@ mod tests {
                 last_restart: Some(Time(when)),
             })
         );
+    }
+
+    #[test]
+    fn a_model_that_fails_verification_is_named_with_the_engines_reason() {
+        let terminated = |exit_code: i32, message: Option<&str>| ContainerStateTerminated {
+            exit_code,
+            reason: Some("Error".to_owned()),
+            message: message.map(str::to_owned),
+            ..ContainerStateTerminated::default()
+        };
+        let log = "2026-01-01T00:00:00Z INFO serving\n\
+                   Error: model /models/m.gguf failed verification: its sha256 is 00ff (10 bytes), the release names b179\n";
+        assert_eq!(
+            termination(&terminated(
+                slipway_contract::exit::MODEL_REJECTED,
+                Some(log)
+            ))
+            .as_deref(),
+            Some(
+                "model rejected: model /models/m.gguf failed verification: its sha256 is 00ff (10 bytes), the release names b179"
+            )
+        );
+        assert_eq!(
+            termination(&terminated(
+                slipway_contract::exit::USAGE,
+                Some("error: unexpected argument '--rank' found")
+            ))
+            .as_deref(),
+            Some("engine arguments rejected: error: unexpected argument '--rank' found")
+        );
+        assert_eq!(termination(&terminated(1, None)).as_deref(), Some("Error"));
+        let long = "x".repeat(1000);
+        let quoted = termination(&terminated(1, Some(&long))).unwrap_or_default();
+        assert!(quoted.chars().count() < 320, "{quoted}");
     }
 }

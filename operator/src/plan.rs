@@ -33,18 +33,19 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
+use slipway_api::InferenceService;
 use slipway_api::bundle::bundle_hash;
 use slipway_api::capacity::{CapacityInput, CapacityPlan, plan_capacity, worst_domain_loss};
 use slipway_api::drain::{DrainBudget, DrainInput, drain_budget};
 use slipway_api::spec::InferenceServiceSpec;
 use slipway_api::status::{InferenceServiceStatus, ReplicaCounts, condition};
-use slipway_api::{InferenceService, duration};
+use slipway_contract::ServeArgs;
 
 use crate::conditions::{self, Change, Computed};
 use crate::groups::{GroupShape, group_shape};
 use crate::labels;
 use crate::observed::{GroupRecord, Observed, ObservedNode, ObservedPod, Phase};
-use crate::pod::{ModelStaging, render};
+use crate::pod::{ModelStaging, render, serve_args};
 use crate::rollout;
 
 /// Recreations of one group before it is held.
@@ -139,8 +140,8 @@ pub struct Context<'a> {
     pub shape: GroupShape,
     pub drain: DrainBudget,
     pub model: ModelStaging,
-    pub slo_ttft_ms: u128,
-    pub slo_tpot_ms: u128,
+    /// The engine container's `serve` arguments (user's extras merged and checked).
+    pub serve: ServeArgs,
 }
 
 /// What happens to one group in this plan.
@@ -179,17 +180,27 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
             .map_err(|e| format!("capacity: {e}"))?;
         let drain =
             drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|e| format!("slo: {e}"))?);
-        let ttft =
-            duration::parse(&isvc.spec.slo.ttft.threshold).map_err(|e| format!("slo.ttft: {e}"))?;
-        let tpot =
-            duration::parse(&isvc.spec.slo.tpot.threshold).map_err(|e| format!("slo.tpot: {e}"))?;
         let model = ModelStaging::parse(
             &isvc.spec.release.model.uri,
             isvc.spec.release.model.sha256.as_deref(),
         )?;
-        Ok((shape, capacity, drain, ttft, tpot, model))
+        let kv_namespace = isvc
+            .spec
+            .release
+            .kv_namespace
+            .clone()
+            .unwrap_or_else(|| hash.derived_kv_namespace());
+        let serve = serve_args(
+            name,
+            &isvc.spec,
+            hash.short(),
+            &kv_namespace,
+            &model,
+            &drain,
+        )?;
+        Ok((shape, capacity, drain, model, kv_namespace, serve))
     })();
-    let (shape, capacity, drain, ttft, tpot, model) = match checked {
+    let (shape, capacity, drain, model, kv_namespace, serve) = match checked {
         Ok(parts) => parts,
         Err(reason) => return invalid(&previous, generation, now, reason),
     };
@@ -215,17 +226,11 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
         spec: &isvc.spec,
         owner,
         release: hash.short(),
-        kv_namespace: isvc
-            .spec
-            .release
-            .kv_namespace
-            .clone()
-            .unwrap_or_else(|| hash.derived_kv_namespace()),
+        kv_namespace,
         shape,
         drain,
         model,
-        slo_ttft_ms: ttft.as_millis(),
-        slo_tpot_ms: tpot.as_millis(),
+        serve,
     };
     let stable_ctx = if stable == ctx.release {
         Some(ctx.clone())
@@ -281,15 +286,21 @@ fn release_context<'a>(
         spec.release.model.sha256.as_deref(),
     )
     .ok()?;
+    let kv_namespace = spec
+        .release
+        .kv_namespace
+        .clone()
+        .unwrap_or_else(|| format!("release-{release}"));
+    // Its own drain budget: maxOutputTokens is part of the bundle.
+    let drain = drain_budget(&DrainInput::from_spec(spec).ok()?);
+    let serve = serve_args(base.name, spec, release, &kv_namespace, &model, &drain).ok()?;
     Some(Context {
         spec,
         release,
-        kv_namespace: spec
-            .release
-            .kv_namespace
-            .clone()
-            .unwrap_or_else(|| format!("release-{release}")),
+        kv_namespace,
+        drain,
         model,
+        serve,
         ..base.clone()
     })
 }
@@ -525,7 +536,12 @@ fn plan_valid(
             state == GroupState::Running && live.iter().all(|p| p.ready && on_ready_node(p));
         if ready {
             ready_groups += 1;
-            if live.iter().all(|p| observed.serving_pods.contains(&p.name)) {
+            // Only leaders serve (workers are not in the client Service).
+            if live
+                .iter()
+                .filter(|p| p.rank == 0)
+                .any(|p| observed.serving_pods.contains(&p.name))
+            {
                 serving_groups += 1;
             }
             let leader_domain = live
@@ -956,7 +972,9 @@ fn group_service(ctx: &Context<'_>, record: &GroupRecord) -> Service {
 
 /// The client Service (all engine pods) or the current release's Service.
 fn client_service(ctx: &Context<'_>, release_name: &str, per_release: bool) -> Service {
+    // Leaders only: the leader of a group owns HTTP; its workers serve nothing.
     let mut selector = labels::engine_selector(ctx.name);
+    selector.insert(labels::RANK.to_owned(), "0".to_owned());
     let mut service_labels = labels::instance_selector(ctx.name);
     let name = if per_release {
         selector.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());

@@ -11,9 +11,14 @@
 //! group.
 //!
 //! Invariants: the pod's grace period, preStop sleep and the engine's
-//! `--shutdown-timeout` all come from one [`slipway_api::drain::DrainBudget`]; the
+//! `--shutdown-timeout-ms` all come from one [`slipway_api::drain::DrainBudget`]; the
 //! security context is the "restricted" Pod Security Standard; every pod carries the
 //! release short hash and its group and rank as labels.
+//!
+//! The containers' arguments are [`slipway_contract::EngineCommand`] values rendered
+//! with `to_args`, never string literals: the engine parses them with the same type.
+//! The operator sets no environment variable of its own (the engine reads none that
+//! the operator would set); only the user's `env` is passed.
 
 use std::collections::BTreeMap;
 
@@ -26,13 +31,23 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
 use sha2::{Digest, Sha256};
-use slipway_api::spec::Device;
+use slipway_api::drain::DrainBudget;
+use slipway_api::duration;
+use slipway_api::spec::{Device, InferenceServiceSpec};
+use slipway_contract::{DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, ServeArgs, paths};
 
 use crate::groups::PodShape;
 use crate::labels;
 use crate::plan::Context;
 
+/// Kubelet copies the tail of a failed container's log into its termination message
+/// when the container wrote none, so the engine's `Error: ...` line reaches the
+/// pod's status, where [`crate::observed`] reads it.
+const TERMINATION_MESSAGE_POLICY: &str = "FallbackToLogsOnError";
 /// Where the model volume is mounted in the engine container.
 const MODEL_DIR: &str = "/models";
 /// UID/GID of the distroless "nonroot" user; any non-zero id satisfies the policy.
@@ -50,7 +65,10 @@ pub enum ModelStaging {
     /// `pvc://<claim>/<path>`: the claim is mounted read-only.
     Claim { claim: String, path: String },
     /// `https://…`: an init container fetches and verifies it into an emptyDir.
-    Fetch { url: String, sha256: String },
+    Fetch {
+        url: String,
+        sha256: slipway_contract::Sha256Digest,
+    },
 }
 
 impl ModelStaging {
@@ -74,7 +92,9 @@ impl ModelStaging {
             })?;
             return Ok(Self::Fetch {
                 url: uri.to_owned(),
-                sha256: sha256.to_owned(),
+                sha256: sha256
+                    .parse()
+                    .map_err(|e| format!("release.model.sha256: {e}"))?,
             });
         }
         let path = uri.strip_prefix("file://").unwrap_or(uri);
@@ -164,19 +184,14 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
                 empty_dir: Some(EmptyDirVolumeSource::default()),
                 ..Volume::default()
             });
+            let fetch = FetchArgs::new(url.clone(), *sha256, ctx.model.engine_path());
             init_containers.push(Container {
                 name: "fetch-model".to_owned(),
                 image: Some(spec.release.engine.image.clone()),
-                args: Some(vec![
-                    "fetch".to_owned(),
-                    url.clone(),
-                    "--sha256".to_owned(),
-                    sha256.clone(),
-                    "--dest".to_owned(),
-                    ctx.model.engine_path(),
-                ]),
+                args: Some(EngineCommand::Fetch(fetch).to_args()),
                 volume_mounts: Some(vec![model_mount(false), mounts[0].clone()]),
                 security_context: Some(container_security_context()),
+                termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.to_owned()),
                 ..Container::default()
             });
             mounts.push(model_mount(true));
@@ -208,14 +223,22 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
         ..Probe::default()
     };
 
+    let env: Vec<EnvVar> = spec
+        .release
+        .engine
+        .env
+        .iter()
+        .chain(&overrides.env)
+        .cloned()
+        .collect();
     let engine = Container {
         name: "engine".to_owned(),
         image: Some(spec.release.engine.image.clone()),
-        args: Some(engine_args(ctx, group, shape)),
-        env: Some(engine_env(ctx, group, shape, overrides.env.clone())),
+        args: Some(EngineCommand::Serve(ctx.serve.clone()).to_args()),
+        env: (!env.is_empty()).then_some(env),
         ports: Some(vec![ContainerPort {
             name: Some("http".to_owned()),
-            container_port: labels::ENGINE_PORT,
+            container_port: i32::from(ctx.serve.port),
             protocol: Some("TCP".to_owned()),
             ..ContainerPort::default()
         }]),
@@ -225,12 +248,16 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
         }),
         // Loading a model can take minutes; liveness only starts once it is ready.
         startup_probe: Some(probe(
-            "/ready",
+            paths::READY,
             STARTUP_PERIOD_SECONDS,
             STARTUP_FAILURE_THRESHOLD,
         )),
-        readiness_probe: Some(probe("/ready", 5, 2)),
-        liveness_probe: Some(probe("/health", 10, 3)),
+        readiness_probe: Some(probe(paths::READY, 5, 2)),
+        liveness_probe: Some(probe(paths::HEALTH, 10, 3)),
+        // The engine's last line on failure is `Error: <why>` (a model that failed
+        // verification, a bad flag): it becomes the termination message the operator
+        // reports.
+        termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.to_owned()),
         lifecycle: (ctx.drain.pre_stop_delay_seconds > 0).then(|| Lifecycle {
             pre_stop: Some(LifecycleHandler {
                 // A sleep action needs no shell in the image (the engine image is static).
@@ -339,63 +366,150 @@ fn container_security_context() -> SecurityContext {
     }
 }
 
-/// `slipway-engine serve` arguments that tie the engine to its release, SLO, drain
-/// budget and place in the group; the user's own arguments come last.
-fn engine_args(ctx: &Context<'_>, group: u32, shape: &PodShape) -> Vec<String> {
-    let mut args = vec![
-        "serve".to_owned(),
-        "--model".to_owned(),
-        ctx.model.engine_path(),
-        "--port".to_owned(),
-        labels::ENGINE_PORT.to_string(),
-        "--release".to_owned(),
-        ctx.release.to_owned(),
-        "--kv-namespace".to_owned(),
-        ctx.kv_namespace.clone(),
-        "--slo-ttft-ms".to_owned(),
-        ctx.slo_ttft_ms.to_string(),
-        "--slo-tpot-ms".to_owned(),
-        ctx.slo_tpot_ms.to_string(),
-        "--max-output-tokens".to_owned(),
-        ctx.spec.release.engine.max_output_tokens.to_string(),
-        "--shutdown-timeout".to_owned(),
-        format!("{}s", ctx.drain.engine_shutdown_seconds),
-        "--group-index".to_owned(),
-        group.to_string(),
-        "--rank".to_owned(),
-        shape.rank.to_string(),
-        "--world-size".to_owned(),
-        ctx.shape.world_size().to_string(),
-    ];
-    args.extend(ctx.spec.release.engine.args.iter().cloned());
-    args
+/// The engine's `serve` arguments for one release: what the operator decides from the
+/// InferenceService, then the user's `release.engine.args` on top.
+///
+/// # Errors
+/// A sentence for the `Ready=False` condition: an argument the engine would reject,
+/// or one that overrides a value the operator owns (the drain budget, probes and
+/// metrics labels depend on those).
+pub fn serve_args(
+    name: &str,
+    spec: &InferenceServiceSpec,
+    release: &str,
+    kv_namespace: &str,
+    model: &ModelStaging,
+    drain: &DrainBudget,
+) -> Result<ServeArgs, String> {
+    let engine = &spec.release.engine;
+    let defaults = ServeArgs::for_model(model.engine_path())
+        .map_err(|e| format!("release.model.uri: {}", first_line(&e)))?;
+    let decided = ServeArgs {
+        model_sha256: spec
+            .release
+            .model
+            .sha256
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(|e| format!("release.model.sha256: {e}"))?,
+        // All addresses of the pod's own network namespace: the pod IP the kubelet
+        // probes and the Services target, and loopback for `kubectl port-forward`.
+        // The namespace has no other interface, so this exposes nothing more; binding
+        // the pod IP itself would need it passed in through the downward API and would
+        // break port-forward.
+        host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        port: ENGINE_PORT,
+        served_model_name: Some(
+            spec.served_model_name
+                .clone()
+                .unwrap_or_else(|| name.to_owned()),
+        ),
+        release: release.to_owned(),
+        kv_namespace: kv_namespace.to_owned(),
+        slo_ttft: duration::parse(&spec.slo.ttft.threshold)
+            .map_err(|e| format!("slo.ttft: {e}"))?,
+        slo_tpot: duration::parse(&spec.slo.tpot.threshold)
+            .map_err(|e| format!("slo.tpot: {e}"))?,
+        max_output_tokens: u32::try_from(engine.max_output_tokens)
+            .map_err(|_| "release.engine.maxOutputTokens must be positive".to_owned())?,
+        shutdown_timeout: Duration::from_secs(drain.engine_shutdown_seconds),
+        // `auto` is for people; a pod holding GPUs must never fall back to the CPU.
+        device: match engine.device {
+            Device::Cpu => DeviceChoice::Cpu,
+            Device::Cuda => DeviceChoice::Cuda,
+        },
+        ..defaults
+    };
+    let merged = decided
+        .with_extra_args(&engine.args)
+        .map_err(|e| format!("release.engine.args: {}", first_line(&e)))?;
+    let overridden = owned_flags(&decided, &merged);
+    if !overridden.is_empty() {
+        return Err(format!(
+            "release.engine.args must not set {}: the operator sets them from the InferenceService ({})",
+            overridden
+                .iter()
+                .map(|(flag, _)| *flag)
+                .collect::<Vec<_>>()
+                .join(", "),
+            overridden
+                .iter()
+                .map(|(flag, from)| format!("{flag} from {from}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ));
+    }
+    Ok(merged)
 }
 
-fn engine_env(ctx: &Context<'_>, group: u32, shape: &PodShape, extra: Vec<EnvVar>) -> Vec<EnvVar> {
-    let var = |name: &str, value: String| EnvVar {
-        name: name.to_owned(),
-        value: Some(value),
-        value_from: None,
-    };
-    let mut env = vec![
-        var("SLIPWAY_GROUP_INDEX", group.to_string()),
-        var("SLIPWAY_RANK", shape.rank.to_string()),
-        var("SLIPWAY_WORLD_SIZE", ctx.shape.world_size().to_string()),
-        var(
-            "SLIPWAY_LEADER_ADDR",
-            format!(
-                "{}:{}",
-                labels::leader_host(ctx.name, ctx.namespace, group),
-                labels::ENGINE_PORT
-            ),
+/// The flags the operator owns that differ between `decided` and `merged`, each with
+/// the field a user changes instead.
+fn owned_flags(decided: &ServeArgs, merged: &ServeArgs) -> Vec<(&'static str, &'static str)> {
+    let owned: [(&str, &str, bool); 12] = [
+        (
+            "--model",
+            "release.model.uri",
+            decided.model != merged.model,
         ),
-        var("SLIPWAY_TENSOR_PARALLEL", ctx.shape.tensor.to_string()),
-        var("SLIPWAY_PIPELINE_PARALLEL", ctx.shape.pipeline.to_string()),
-        var("SLIPWAY_FIRST_STAGE", shape.first_stage.to_string()),
-        var("SLIPWAY_STAGE_COUNT", shape.stage_count.to_string()),
-        var("SLIPWAY_RELEASE", ctx.release.to_owned()),
+        (
+            "--model-sha256",
+            "release.model.sha256",
+            decided.model_sha256 != merged.model_sha256,
+        ),
+        ("--host", "the pod's network", decided.host != merged.host),
+        ("--port", "the pod's port", decided.port != merged.port),
+        (
+            "--served-model-name",
+            "spec.servedModelName",
+            decided.served_model_name != merged.served_model_name,
+        ),
+        (
+            "--release",
+            "the release hash",
+            decided.release != merged.release,
+        ),
+        (
+            "--kv-namespace",
+            "release.kvNamespace",
+            decided.kv_namespace != merged.kv_namespace,
+        ),
+        (
+            "--slo-ttft-ms",
+            "slo.ttft",
+            decided.slo_ttft != merged.slo_ttft,
+        ),
+        (
+            "--slo-tpot-ms",
+            "slo.tpot",
+            decided.slo_tpot != merged.slo_tpot,
+        ),
+        (
+            "--max-output-tokens",
+            "release.engine.maxOutputTokens",
+            decided.max_output_tokens != merged.max_output_tokens,
+        ),
+        (
+            "--shutdown-timeout-ms",
+            "the drain budget",
+            decided.shutdown_timeout != merged.shutdown_timeout,
+        ),
+        (
+            "--device",
+            "release.engine.device",
+            decided.device != merged.device,
+        ),
     ];
-    env.extend(ctx.spec.release.engine.env.iter().cloned());
-    env.extend(extra);
-    env
+    owned
+        .into_iter()
+        .filter(|(_, _, changed)| *changed)
+        .map(|(flag, from, _)| (flag, from))
+        .collect()
+}
+
+/// clap's message without its usage block.
+fn first_line(error: &clap::Error) -> String {
+    let text = error.to_string();
+    let line = text.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line).to_owned()
 }

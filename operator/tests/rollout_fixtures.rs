@@ -36,7 +36,7 @@ use slipway_operator::plan::{Child, ChildKind, Plan};
 use slipway_operator::rollout::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
 use slipway_operator::{labels, plan};
 
-use common::{merge, root};
+use common::{merge, sample_json};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -166,17 +166,7 @@ struct Sim {
 fn run(path: &Path) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     let fixture: Fixture = serde_yaml::from_str(&text).map_err(|e| format!("fixture: {e}"))?;
-    let sample = root()
-        .join("manifests/samples")
-        .join(format!("{}.yaml", fixture.base));
-    let mut base: Value = serde_yaml::from_str(
-        &std::fs::read_to_string(&sample).map_err(|e| format!("{}: {e}", sample.display()))?,
-    )
-    .map_err(|e| format!("sample: {e}"))?;
-    merge(
-        &mut base,
-        &serde_json::json!({"metadata": {"namespace": "ml", "uid": "7b0c1f4e-uid", "generation": 1}}),
-    );
+    let mut base = sample_json(&fixture.base)?;
     merge(&mut base, &fixture.patch);
     let release_of = |name: &str| -> Result<Value, String> {
         let mut release = base["spec"]["release"].clone();

@@ -169,30 +169,8 @@ pub fn validate_batch(
     Ok(())
 }
 
-/// Which backend to run on (`serve --device`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum DeviceChoice {
-    /// The CPU backend.
-    Cpu,
-    /// The CUDA backend; failing when it cannot start.
-    Cuda,
-    /// CUDA when it starts, else the CPU backend (with a log line saying why).
-    #[default]
-    Auto,
-}
-
-impl std::str::FromStr for DeviceChoice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda),
-            "auto" => Ok(Self::Auto),
-            other => Err(format!("unknown device {other:?} (cpu, cuda or auto)")),
-        }
-    }
-}
+/// Which backend to run on (`serve --device`): the command line's own type.
+pub use slipway_contract::DeviceChoice;
 
 /// The backend [`select`] started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -437,7 +437,7 @@ impl Reader {
                 .address_map
                 .get(&target.ip)
                 .cloned()
-                .unwrap_or_else(|| format!("{}:{}", target.ip, crate::labels::ENGINE_PORT));
+                .unwrap_or_else(|| format!("{}:{}", target.ip, slipway_contract::ENGINE_PORT));
             let result = async {
                 let response = self
                     .http

@@ -26,6 +26,9 @@ pub enum ApiError {
     /// The body is over [`MAX_BODY_BYTES`] (413).
     #[error("request body is larger than {MAX_BODY_BYTES} bytes")]
     TooLarge,
+    /// No such route on this port (404).
+    #[error("no such endpoint: {0}")]
+    NoRoute(String),
     /// The model named is not served here (404).
     #[error("model `{0}` does not exist; see /v1/models")]
     UnknownModel(String),
@@ -76,7 +79,7 @@ impl ApiError {
         match self {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::UnknownModel(_) => StatusCode::NOT_FOUND,
+            Self::UnknownModel(_) | Self::NoRoute(_) => StatusCode::NOT_FOUND,
             Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -107,6 +110,7 @@ impl IntoResponse for ApiError {
             Self::BadRequest { param, .. } => ("invalid_request_error", None, param.clone()),
             Self::TooLarge => ("invalid_request_error", Some("body_too_large"), None),
             Self::UnknownModel(_) => ("invalid_request_error", Some("model_not_found"), None),
+            Self::NoRoute(_) => ("invalid_request_error", Some("not_found"), None),
             Self::RateLimited { .. } => ("rate_limit_error", Some("rate_limit_exceeded"), None),
             Self::Unavailable { .. } => ("service_unavailable", Some("unavailable"), None),
             Self::Internal(_) => ("server_error", Some("internal_error"), None),

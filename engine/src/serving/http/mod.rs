@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API (axum): `/v1/completions`, `/v1/chat/completions`
-//! (SSE streaming and not), `/v1/models`, `/health`, `/ready`, `/metrics`,
-//! `/admin/drain`.
+//! (SSE streaming and not), `/v1/models`, `/health`, `/ready`, `/metrics`. Nothing
+//! else: this port is what the client Service exposes, so it carries no admin
+//! endpoint (drain comes from SIGTERM, see `serve`).
 //!
 //! Handlers never touch scheduler state: they validate ([`openai_types`]), pass
 //! admission ([`crate::serving::admission`]), submit to the [`EngineHandle`] and turn
@@ -83,8 +84,10 @@ pub struct ApiConfig {
     pub kv_namespace: String,
     /// Context length.
     pub max_model_len: usize,
-    /// `max_tokens` when a request does not say.
-    pub default_max_tokens: usize,
+    /// The most tokens one request may generate (`--max-output-tokens`): more is a
+    /// 400 naming the limit; a request that does not say gets this many, capped by
+    /// what the context leaves.
+    pub max_output_tokens: usize,
     /// The SLO latency targets counted in `slipway_requests_slo_met_total`.
     pub slo: SloTargets,
     /// Test-only faults.
@@ -97,7 +100,7 @@ impl Default for ApiConfig {
             model_name: "model".into(),
             kv_namespace: "default".into(),
             max_model_len: 2048,
-            default_max_tokens: 256,
+            max_output_tokens: 1024,
             slo: SloTargets::default(),
             faults: FaultConfig::default(),
         }
@@ -110,8 +113,8 @@ impl ApiConfig {
     /// # Errors
     /// A message naming the bad value.
     pub fn validate(&self) -> Result<(), String> {
-        if self.max_model_len < 2 || self.default_max_tokens == 0 {
-            return Err("max_model_len must be ≥ 2 and default_max_tokens ≥ 1".into());
+        if self.max_model_len < 2 || self.max_output_tokens == 0 {
+            return Err("max_model_len must be ≥ 2 and max_output_tokens ≥ 1".into());
         }
         let r = self.faults.error_rate;
         if !(0.0..=1.0).contains(&r) {
@@ -145,8 +148,6 @@ pub struct AppState {
     pub metrics: Arc<ServingMetrics>,
     /// False while draining or before warm-up.
     pub ready: AtomicBool,
-    /// Signalled by `POST /admin/drain` (the server then drains as on SIGTERM).
-    pub drain: tokio::sync::Notify,
     faults: Mutex<rand::rngs::StdRng>,
     next_request: AtomicU64,
 }
@@ -173,7 +174,6 @@ impl AppState {
             admission,
             metrics,
             ready: AtomicBool::new(true),
-            drain: tokio::sync::Notify::new(),
             next_request: AtomicU64::new(1),
         })
     }
@@ -200,8 +200,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .route("/admin/drain", post(drain))
-        .fallback(|| async { ApiError::bad("no such endpoint", None) })
+        .fallback(
+            |method: axum::http::Method, uri: axum::http::Uri| async move {
+                ApiError::NoRoute(format!("{method} {}", uri.path()))
+            },
+        )
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             request_id,
@@ -261,15 +264,6 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
         )
     };
     ([(header::CONTENT_TYPE, ctype)], body).into_response()
-}
-
-/// Stops admitting at once (`/ready` false, new requests 503) and wakes the server's
-/// drain, which lets admitted requests finish.
-async fn drain(State(state): State<Arc<AppState>>) -> Json<Value> {
-    state.ready.store(false, Ordering::Relaxed);
-    state.drain.notify_one();
-    tracing::info!("drain requested");
-    Json(json!({"draining": true}))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -248,10 +248,19 @@ pub(super) fn prepare(
     }
     let room = config.max_model_len - prompt.len();
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
-        None => config.default_max_tokens.min(room),
+        None => config.max_output_tokens.min(room),
         Some(m) if m < 1 => {
             return Err(ApiError::bad(
                 format!("max_tokens must be at least 1, got {m}"),
+                Some("max_tokens"),
+            ));
+        }
+        Some(m) if m as u64 > config.max_output_tokens as u64 => {
+            return Err(ApiError::bad(
+                format!(
+                    "max_tokens = {m} exceeds this server's limit of {} output tokens per request",
+                    config.max_output_tokens
+                ),
                 Some("max_tokens"),
             ));
         }

@@ -383,9 +383,10 @@ async fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_turns_ready_off_and_refuses_new_requests_with_retry_after() {
-    let app = router(state());
-    let (s, _, _) = send(&app, "POST", "/admin/drain", Body::empty(), false).await;
-    assert_eq!(s, StatusCode::OK);
+    let state = state();
+    let app = router(Arc::clone(&state));
+    // What `serve` does on SIGTERM.
+    state.ready.store(false, Ordering::Relaxed);
     assert_eq!(
         send(&app, "GET", "/ready", Body::empty(), false).await.0,
         StatusCode::SERVICE_UNAVAILABLE
@@ -405,6 +406,60 @@ async fn drain_turns_ready_off_and_refuses_new_requests_with_retry_after() {
         send(&app, "GET", "/health", Body::empty(), false).await.0,
         StatusCode::OK
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_client_can_drain_through_the_serving_port() {
+    let state = state();
+    let app = router(Arc::clone(&state));
+    for (method, path) in [
+        ("POST", "/admin/drain"),
+        ("GET", "/admin/drain"),
+        ("POST", "/drain"),
+    ] {
+        let (s, b, _) = send(&app, method, path, Body::empty(), false).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{method} {path}: {b}");
+        assert!(b.contains("no such endpoint"), "{b}");
+    }
+    assert!(state.ready.load(Ordering::Relaxed), "still ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_output_tokens_is_enforced_and_is_the_default() {
+    let app = router(state_with(
+        admission::AdmissionConfig::default(),
+        ApiConfig {
+            max_output_tokens: 16,
+            ..ApiConfig::default()
+        },
+    ));
+    let ask = |extra: Value| {
+        let mut v = json!({"model": MODEL, "prompt": "Once upon a time", "temperature": 0,
+                           "ignore_eos": true});
+        if let (Some(body), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+            body.extend(extra.clone());
+        }
+        v
+    };
+    let (s, v) = post(&app, "/v1/completions", &ask(json!({"max_tokens": 17}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("limit of 16 output tokens"), "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens");
+    let (s, v) = post(
+        &app,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 100}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    // At the limit: served in full; unsaid: the limit is the default.
+    for extra in [json!({"max_tokens": 16}), json!({})] {
+        let (s, v) = post(&app, "/v1/completions", &ask(extra.clone())).await;
+        assert_eq!(s, StatusCode::OK, "{extra}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], 16, "{extra}: {v}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

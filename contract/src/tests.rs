@@ -1,0 +1,214 @@
+//! Every field survives `to_args` → the engine's parser, and the operator-facing
+//! helpers behave as documented.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn parse(args: Vec<String>) -> EngineCommand {
+    match EngineCommand::parse_args(&args) {
+        Ok(command) => command,
+        Err(error) => panic!("{args:?} does not parse: {error}"),
+    }
+}
+
+fn digest() -> impl Strategy<Value = Sha256Digest> {
+    any::<[u8; 32]>().prop_map(Sha256Digest)
+}
+
+fn millis() -> impl Strategy<Value = Duration> {
+    (0u64..10_000_000).prop_map(Duration::from_millis)
+}
+
+fn word() -> impl Strategy<Value = String> {
+    // Leading '-' included: `--flag=value` must keep such values values.
+    "-?[a-z0-9][a-z0-9.-]{0,20}"
+}
+
+fn serve_args() -> impl Strategy<Value = ServeArgs> {
+    let identity = (
+        "/[a-z]{1,8}/-?[a-z0-9.]{1,12}",
+        proptest::option::of(digest()),
+        any::<[u8; 4]>(),
+        any::<u16>(),
+        proptest::option::of(word()),
+        word(),
+        word(),
+    );
+    let limits = (
+        millis(),
+        millis(),
+        1u32..=131_072,
+        0usize..10_000,
+        0usize..10_000,
+        millis(),
+        1usize..100_000,
+    );
+    let memory = (
+        proptest::option::of(1usize..1 << 20),
+        proptest::option::of(1u64..1 << 40),
+        proptest::option::of(0.001f64..1e9),
+        proptest::option::of(0.001f64..1e9),
+        proptest::option::of(2usize..1 << 20),
+        millis(),
+        proptest::option::of(1u16..512),
+        prop_oneof![
+            Just(DeviceChoice::Cpu),
+            Just(DeviceChoice::Cuda),
+            Just(DeviceChoice::Auto)
+        ],
+        proptest::option::of(0usize..16),
+    );
+    (identity, limits, memory).prop_map(
+        |(
+            (model, model_sha256, ip, port, served_model_name, release, kv_namespace),
+            (
+                slo_ttft,
+                slo_tpot,
+                max_output_tokens,
+                max_num_seqs,
+                max_queue,
+                max_queue_wait,
+                max_batched_tokens,
+            ),
+            (
+                kv_blocks,
+                kv_memory,
+                tenant_rate,
+                tenant_burst,
+                max_model_len,
+                shutdown_timeout,
+                threads,
+                device,
+                gpu,
+            ),
+        )| ServeArgs {
+            model: PathBuf::from(model),
+            model_sha256,
+            host: IpAddr::from(ip),
+            port,
+            served_model_name,
+            release,
+            kv_namespace,
+            slo_ttft,
+            slo_tpot,
+            max_output_tokens,
+            max_num_seqs,
+            max_queue,
+            max_queue_wait,
+            max_batched_tokens,
+            // The two pool sizes exclude each other; the parser says so.
+            kv_blocks: kv_memory.is_none().then_some(kv_blocks).flatten(),
+            kv_memory,
+            // A burst needs a rate.
+            tenant_burst: tenant_rate.and(tenant_burst),
+            tenant_rate,
+            max_model_len,
+            shutdown_timeout,
+            threads,
+            device,
+            gpu,
+            #[cfg(feature = "fault-injection")]
+            faults: FaultArgs {
+                inject_delay: Duration::from_millis(u64::from(port % 300)),
+                inject_error_rate: f64::from(port % 7) / 7.0,
+                inject_seed: u64::from(port),
+            },
+        },
+    )
+}
+
+proptest! {
+    #[test]
+    fn serve_args_round_trip_every_field(args in serve_args()) {
+        let command = EngineCommand::Serve(args);
+        prop_assert_eq!(parse(command.to_args()), command);
+    }
+
+    #[test]
+    fn fetch_args_round_trip_every_field(
+        sha256 in digest(),
+        dest in "/[a-z]{1,8}/-?[a-z0-9.]{1,12}",
+        timeout in millis(),
+        stall_timeout in millis(),
+        retries in any::<u32>(),
+        backoff in millis(),
+    ) {
+        let command = EngineCommand::Fetch(FetchArgs {
+            url: "https://models.example/m.gguf?sig=-x".to_owned(),
+            sha256,
+            dest: PathBuf::from(dest),
+            timeout,
+            stall_timeout,
+            retries,
+            backoff,
+        });
+        prop_assert_eq!(parse(command.to_args()), command);
+    }
+}
+
+#[test]
+fn for_model_gives_the_parsers_defaults() {
+    let args = ServeArgs::for_model("/models/m.gguf").expect("defaults");
+    assert_eq!(args.model, PathBuf::from("/models/m.gguf"));
+    assert_eq!(args.host, IpAddr::V4(Ipv4Addr::LOCALHOST));
+    assert_eq!(args.port, ENGINE_PORT);
+    assert_eq!(args.device, DeviceChoice::Auto);
+    assert_eq!(args.shutdown_timeout, Duration::from_secs(30));
+    assert_eq!(args.max_output_tokens, 1024);
+    assert_eq!(args.served_model_name, None);
+    // A path that looks like a flag is still the path.
+    let odd = ServeArgs::for_model("-m.gguf").expect("a dash path");
+    assert_eq!(odd.model, PathBuf::from("-m.gguf"));
+}
+
+#[test]
+fn cuda_renders_device_cuda() {
+    let args = ServeArgs {
+        device: DeviceChoice::Cuda,
+        ..ServeArgs::for_model("/m.gguf").expect("defaults")
+    };
+    assert!(args.to_args().contains(&"--device=cuda".to_owned()));
+}
+
+#[test]
+fn extra_args_override_and_unknown_flags_are_refused() {
+    let base = ServeArgs::for_model("/m.gguf").expect("defaults");
+    let merged = base
+        .with_extra_args(&["--max-num-seqs", "128", "--port=9000"])
+        .expect("known flags");
+    assert_eq!(merged.max_num_seqs, 128);
+    assert_eq!(merged.port, 9000);
+    assert_eq!(merged.model, base.model);
+    let error = base
+        .with_extra_args(&["--max-output-token", "5"])
+        .expect_err("a misspelt flag");
+    assert!(error.to_string().contains("--max-output-token"), "{error}");
+    let error = base
+        .with_extra_args(&["--shutdown-timeout-ms", "1m"])
+        .expect_err("a CRD-style duration");
+    assert!(error.to_string().contains("milliseconds"), "{error}");
+}
+
+#[cfg(not(feature = "fault-injection"))]
+#[test]
+fn fault_flags_do_not_exist_without_the_feature() {
+    let base = ServeArgs::for_model("/m.gguf").expect("defaults");
+    assert!(base.with_extra_args(&["--inject-delay-ms", "5"]).is_err());
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn fault_flags_appear_only_when_on() {
+    let base = ServeArgs::for_model("/m.gguf").expect("defaults");
+    assert!(!base.to_args().iter().any(|a| a.starts_with("--inject")));
+    let slow = base
+        .with_extra_args(&["--inject-delay-ms", "150"])
+        .expect("a test build knows the flag");
+    assert_eq!(slow.faults.inject_delay, Duration::from_millis(150));
+    assert!(slow.to_args().contains(&"--inject-delay-ms=150".to_owned()));
+}
