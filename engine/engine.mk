@@ -28,7 +28,14 @@ test-openai-client: model ## the official OpenAI Python client against slipway-e
 	$(CARGO) build --locked -p slipway-engine --bin slipway-engine
 	engine/tests/python/run-openai-client $(CARGO_TARGET_DIR)/debug/slipway-engine
 
-test: test-openai-client
+test: test-openai-client test-serve-smoke
+
+.PHONY: test-serve-smoke
+# engine/scripts/test-gpu's serve check (served model name, streaming chat), run here on
+# the CPU so the GPU script is known to work before it first runs on a GPU machine.
+test-serve-smoke: model ## test-gpu's serve check on the CPU: streaming chat under the served model name
+	$(CARGO) build --locked -p slipway-engine --bin slipway-engine
+	engine/scripts/serve-smoke $(CARGO_TARGET_DIR)/debug/slipway-engine "$$(engine/scripts/fetch-model)" cpu "$(SLIPWAY_CACHE)/serve-smoke"
 
 model: ## fetch (once) and sha256-verify the SmolLM2-135M-Instruct Q4_1 GGUF into $SLIPWAY_CACHE/models; prints its path
 	@$(ENGINE_SCRIPTS)/fetch-model
