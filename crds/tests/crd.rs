@@ -47,6 +47,7 @@ fn crd_carries_the_validation_rules_people_read() {
         "canary step weights must be strictly increasing",
         "sha256 must be 64 lowercase hex characters",
         "kvNamespace must be a DNS label",
+        "servedModelName must start with a letter or digit",
         "peakDemand must be positive",
         "replicaGoodput must be positive",
         "slo.availability must be between 0 and 1",
@@ -252,6 +253,11 @@ fn invalid_objects_are_rejected_with_their_message() {
             "kvNamespace not a DNS label",
             with(&["spec", "release", "kvNamespace"], json!("Bad_NS")),
             "kvNamespace must be a DNS label",
+        ),
+        (
+            "servedModelName with a space",
+            with(&["spec", "servedModelName"], json!("my model")),
+            "servedModelName must start with a letter or digit",
         ),
         (
             "group too large",

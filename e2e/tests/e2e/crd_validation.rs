@@ -210,6 +210,11 @@ fn invalid_cases() -> Vec<InvalidCase> {
             Cel("kvNamespace must be a DNS label"),
         ),
         case(
+            "servedModelName is one token clients can send",
+            vec![("/spec/servedModelName", json!("-starts with a dash"))],
+            Cel("servedModelName must start with a letter or digit"),
+        ),
+        case(
             "adapter names unique",
             vec![(
                 "/spec/release/adapters",
