@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# `make demo`: a local control plane, the CRD, the operator's RBAC, the operator as a
-# host process under its own ServiceAccount token, and the SmolLM2 CPU sample, waited
-# on until Ready. `make demo-down` (this script with `down`) undoes it.
+# `make demo`: a local control plane with its real nodes (e2e/cluster/up: kubelet +
+# containerd running the engine image built without Docker), the CRD, the operator's
+# RBAC, the operator as a host process under its own ServiceAccount token, and the
+# SmolLM2 CPU sample on real pods: placed on the real nodes, its model from a
+# `pvc://` claim on the model cache, sized for the two nodes. Waits until it is Ready,
+# then sends a chat request to a pod IP from the client Service's EndpointSlice (there
+# is no kube-proxy) and prints the model's answer and `kubectl get -o wide`.
+# `make demo-down` (this script with `down`) undoes it.
 #
 # State lives in $SLIPWAY_CACHE/demo: the operator's PID, log and kubeconfig.
 set -euo pipefail
@@ -81,16 +86,70 @@ KUBECONFIG=$state/operator.kubeconfig nohup "$bin" \
   > "$state/operator.log" 2>&1 &
 echo $! > "$state/operator.pid"
 
-echo "==> applying the SmolLM2 CPU sample"
-kubectl apply -f "$root/manifests/samples/smollm2-cpu.yaml"
-if ! kubectl wait --for=condition=Ready inferenceservice/smollm2 --namespace default --timeout=120s; then
-  echo "smollm2 did not become Ready; last operator log lines:" >&2
+model_dir=$cache/models
+model_file=$(sed -n 's|^ *uri: .*/\([^/]*\)$|\1|p' "$root/manifests/samples/smollm2-cpu.yaml" | head -n1)
+[[ -f $model_dir/$model_file ]] || { echo "the model $model_dir/$model_file is missing: run \`make model\`" >&2; exit 1; }
+
+echo "==> the model: a read-only claim on $model_dir (hostPath PersistentVolume)"
+# The demo's namespace checks its pods against the restricted Pod Security Standard.
+kubectl label namespace default pod-security.kubernetes.io/enforce=restricted --overwrite
+kubectl apply -f - <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: slipway-demo-models}
+spec:
+  capacity: {storage: 1Gi}
+  accessModes: [ReadOnlyMany]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: ""
+  hostPath: {path: "$model_dir", type: Directory}
+  claimRef: {namespace: default, name: models}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: models, namespace: default}
+spec:
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  volumeName: slipway-demo-models
+  resources: {requests: {storage: 1Gi}}
+YAML
+
+echo "==> applying the SmolLM2 CPU sample, on the real nodes"
+# The sample as checked in, with what running it here takes: the model from the claim,
+# the real nodes' placement, and a size for two small nodes in two zones (one group
+# needed, two provisioned so that losing a zone leaves one).
+kubectl patch --local -f "$root/manifests/samples/smollm2-cpu.yaml" --type merge -o yaml -p "$(cat <<JSON
+{"spec": {
+  "release": {
+    "model": {"uri": "pvc://models/$model_file"},
+    "engine": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+               "args": ["--kv-blocks", "256"]}
+  },
+  "capacity": {"peakDemand": 0.5, "replicaGoodput": 0.5,
+               "faultDomain": {"topologyKey": "topology.kubernetes.io/zone", "fLoss": 0.5}},
+  "podTemplate": {"nodeSelector": {"slipway.dev/node-kind": "real"},
+                  "tolerations": [{"key": "slipway.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]}
+}}
+JSON
+)" | kubectl apply -f -
+if ! kubectl wait --for=condition=Ready inferenceservice/smollm2 --namespace default --timeout=300s; then
+  echo "smollm2 did not become Ready; pods, and the last operator log lines:" >&2
+  kubectl get pods --namespace default -o wide >&2 || true
   tail -n 20 "$state/operator.log" >&2
   exit 1
 fi
 
 kubectl get inferenceservices,pods --namespace default -o wide
 echo
-kubectl get inferenceservice smollm2 --namespace default -o jsonpath='{.status}' | python3 -m json.tool
+
+echo "==> a chat request to a ready endpoint of the client Service"
+ip=$(kubectl get endpointslices --namespace default -l kubernetes.io/service-name=smollm2 \
+  -o jsonpath='{range .items[*].endpoints[?(@.conditions.ready==true)]}{.addresses[0]}{"\n"}{end}' | head -n1)
+[[ -n $ip ]] || { echo "the client Service smollm2 has no ready endpoint" >&2; exit 1; }
+answer=$(curl --silent --show-error --fail --noproxy '*' --max-time 120 \
+  "http://$ip:8000/v1/chat/completions" -H 'content-type: application/json' \
+  -d '{"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 48}')
+echo "$answer" | python3 -c 'import json, sys; r = json.load(sys.stdin); print("model %s on %s: %s" % (r["model"], sys.argv[1], r["choices"][0]["message"]["content"].strip()))' "$ip"
 echo
 echo "operator metrics: curl -s 127.0.0.1:18080/metrics; stop everything with: make demo-down"

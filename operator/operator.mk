@@ -2,7 +2,7 @@
 
 .PHONY: demo demo-down operator-e2e image-binaries
 
-demo: ## local control plane + CRD + RBAC + operator (own token identity) + SmolLM2 sample, until Ready
+demo: model ## local control plane with real nodes + CRD + RBAC + operator (own token identity) + SmolLM2 sample on real pods, until Ready, then a chat answer from them
 	operator/demo.sh
 
 demo-down: ## stop the demo operator (by PID) and the local control plane

@@ -2,7 +2,8 @@
 //!
 //! The control plane (etcd, kube-apiserver, kube-controller-manager,
 //! kube-scheduler, kubectl, kwok) is built from source by `e2e/cluster/build`
-//! and started on 127.0.0.1 by `e2e/cluster/up`; GPU nodes are faked by KWOK.
+//! and started on 127.0.0.1 by `e2e/cluster/up`; GPU nodes are faked by KWOK,
+//! and two real nodes (kubelet, containerd, runc, CNI) run the engine image.
 //! This crate wraps those scripts in a fixture:
 //!
 //! - [`ClusterGuard`] brings the cluster up once per test run (or reuses a
@@ -13,9 +14,13 @@
 //!   never sleep to synchronise.
 //! - [`rbac`] runs a client under the operator's own RBAC identity, and
 //!   [`audit`] finds the requests the API server denied it.
+//! - [`real_nodes`] finds the real nodes (kubelet + containerd), places pods on
+//!   them, signals their containers, stops their kubelets, and gives pods the
+//!   model through a claim.
 //!
-//! Invariant: nothing here listens on anything but 127.0.0.1, and nothing
-//! here silently skips — a missing binary or a failed build is an error.
+//! Invariant: nothing here listens on anything but 127.0.0.1 or inside the
+//! network namespaces the harness creates, and nothing here silently skips — a
+//! missing binary or a failed build is an error.
 
 pub mod audit;
 pub mod build;
@@ -25,6 +30,7 @@ mod error;
 pub mod manifests;
 mod namespace;
 pub mod rbac;
+pub mod real_nodes;
 pub mod sockets;
 pub mod wait;
 

@@ -1,0 +1,739 @@
+//! The operator's own pods on the real nodes: the CPU sample (on real nodes, its
+//! model from a `pvc://` claim) becomes Ready through the kubelet's probes and
+//! answers; a group drains its in-flight streams when its pod is deleted; a slow
+//! canary is rolled back on real pods while serving never drops below N_healthy; a
+//! killed engine recreates its group; a stopped kubelet loses its zone, and the
+//! cluster recovers when it comes back.
+//!
+//! The sample is sized for two small nodes in two zones: N_healthy = 1, fLoss = 0.5,
+//! so two groups, one per zone (spread by the operator's topology constraint).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use futures::future::join_all;
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, ResourceExt as _};
+use serde_json::{Value, json};
+use slipway_e2e::real_nodes::{self, RealNode};
+
+use crate::support::{
+    ENGINE_PORT, Env, FollowedLog, OperatorProcess, POD_READY, RealNs, Streamed, apply, chat,
+    condition, endpoints, fault_injection_image, http, kubelet_lines, node_of, pod_ip, pod_ready,
+    real_namespace, real_sample, stream_completion,
+};
+
+const ISVC: &str = "smollm2";
+/// Label selecting the sample's engine pods (the operator's instance label).
+const INSTANCE: &str = "app.kubernetes.io/instance=smollm2";
+/// Streams in flight during the drain test, and their length.
+const STREAMS: usize = 16;
+const STREAM_TOKENS: u32 = 32;
+
+/// A namespace, the operator acting on it, and the sample applied and Ready.
+struct Running {
+    ns: RealNs,
+    operator: OperatorProcess,
+}
+
+impl Running {
+    async fn start(env: &Env, isvc: Value) -> anyhow::Result<Self> {
+        let ns = real_namespace(env).await?;
+        let operator = OperatorProcess::start(env, &ns).await?;
+        let mut running = Self { ns, operator };
+        let mut isvc = isvc;
+        isvc["metadata"]["namespace"] = json!(running.ns.name());
+        apply(&running.ns, &isvc).await?;
+        running.wait_ready(2, POD_READY * 2).await?;
+        Ok(running)
+    }
+
+    async fn status(&self) -> anyhow::Result<Value> {
+        Ok(self.ns.isvcs().get(ISVC).await?.data["status"].clone())
+    }
+
+    /// Polls the status (every 250 ms) until `found` yields, for at most `timeout`;
+    /// fails early if the operator exits.
+    async fn until<T>(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        mut found: impl FnMut(&Value) -> Option<T>,
+    ) -> anyhow::Result<T> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let status = self.status().await?;
+            if let Some(t) = found(&status) {
+                return Ok(t);
+            }
+            self.operator.ensure_running()?;
+            if Instant::now() >= deadline {
+                let pods = self.pod_summary().await.unwrap_or_default();
+                bail!(
+                    "timed out after {timeout:?} waiting for {what}; status:\n{}\npods: {pods}\noperator log:\n{}",
+                    serde_yaml::to_string(&status).unwrap_or_default(),
+                    self.operator.tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn wait_ready(&mut self, groups: i64, timeout: Duration) -> anyhow::Result<Value> {
+        self.until(
+            &format!("{ISVC} Ready with {groups} ready groups"),
+            timeout,
+            |s| {
+                (s["replicas"]["desired"] == groups
+                    && s["replicas"]["ready"] == groups
+                    && condition(s, "Ready").is_some_and(|c| c["status"] == "True"))
+                .then(|| s.clone())
+            },
+        )
+        .await
+    }
+
+    async fn engine_pods(&self) -> anyhow::Result<Vec<Pod>> {
+        Ok(self
+            .ns
+            .pods()
+            .list(&ListParams::default().labels(INSTANCE))
+            .await?
+            .items)
+    }
+
+    async fn pod_summary(&self) -> anyhow::Result<String> {
+        Ok(self
+            .engine_pods()
+            .await?
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} on {:?} phase {:?} ready {}{}",
+                    p.name_any(),
+                    node_of(p),
+                    p.status.as_ref().and_then(|s| s.phase.clone()),
+                    pod_ready(p),
+                    if p.metadata.deletion_timestamp.is_some() {
+                        " (terminating)"
+                    } else {
+                        ""
+                    }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+
+    fn kubectl_get_wide(&self, env: &Env) -> String {
+        env.cluster
+            .kubectl(
+                &[
+                    "get",
+                    "inferenceservices,pods",
+                    "-o",
+                    "wide",
+                    "-n",
+                    self.ns.name(),
+                ],
+                Duration::from_secs(30),
+            )
+            .unwrap_or_else(|e| format!("(kubectl get failed: {e})"))
+    }
+}
+
+/// Every engine pod of the sample is Ready on a real node, and the two zones each
+/// hold one.
+async fn ensure_on_real_nodes(running: &Running) -> anyhow::Result<Vec<Pod>> {
+    let pods = running.engine_pods().await?;
+    let real: BTreeSet<&str> = running.ns.nodes.iter().map(RealNode::name).collect();
+    let mut zones = BTreeSet::new();
+    for pod in &pods {
+        let node = node_of(pod).unwrap_or_default();
+        ensure!(
+            real.contains(node.as_str()),
+            "{} runs on {node:?}, not on a real node ({real:?})",
+            pod.name_any()
+        );
+        ensure!(pod_ready(pod), "{} is not Ready", pod.name_any());
+        zones.insert(running.ns.node(&node)?.zone().to_owned());
+    }
+    ensure!(
+        zones.len() == 2,
+        "the groups are not spread over both zones: {zones:?}"
+    );
+    Ok(pods)
+}
+
+pub async fn cpu_sample_is_ready_on_real_nodes_and_answers(env: Arc<Env>) -> anyhow::Result<()> {
+    let running = Running::start(&env, real_sample("")?).await?;
+    let pods = ensure_on_real_nodes(&running).await?;
+    // Readiness came from the kubelets' probes of /ready.
+    for pod in &pods {
+        let node = node_of(pod).unwrap_or_default();
+        let probes = env.cluster.kubectl(
+            &[
+                "get",
+                "--raw",
+                &format!("/api/v1/nodes/{node}/proxy/metrics/probes"),
+            ],
+            Duration::from_secs(30),
+        )?;
+        ensure!(
+            probes.lines().any(|l| l.starts_with("prober_probe_total")
+                && l.contains("probe_type=\"Readiness\"")
+                && l.contains("result=\"successful\"")
+                && l.contains(&format!("pod=\"{}\"", pod.name_any()))),
+            "{node}'s kubelet reports no successful readiness probe of {}",
+            pod.name_any()
+        );
+    }
+    // A request to a pod IP from the client Service's EndpointSlice.
+    let ready: Vec<_> = endpoints(&running.ns.admin, running.ns.name(), ISVC)
+        .await?
+        .into_iter()
+        .filter(|e| e.ready)
+        .collect();
+    ensure!(
+        ready.len() == 2,
+        "the client Service has {} ready endpoints, not 2: {ready:?}",
+        ready.len()
+    );
+    let isvc = running.ns.isvcs().get(ISVC).await?;
+    let served = isvc.data["spec"]["servedModelName"]
+        .as_str()
+        .unwrap_or(ISVC)
+        .to_owned();
+    let (model, text) = chat(&http()?, &ready[0].ip, &served).await?;
+    ensure!(
+        model == served,
+        "the engine answered as {model:?}, not the served model name {served:?}"
+    );
+    tracing::info!(endpoint = %ready[0].ip, %text, "\n{}", running.kubectl_get_wide(&env));
+    Ok(())
+}
+
+/// An endpoint's (ready, serving, terminating), or `None` once it left the slices.
+type EndpointState = Option<(bool, bool, bool)>;
+
+/// The states one endpoint went through, sampled until it left the slices.
+async fn watch_endpoint(
+    admin: kube::Client,
+    namespace: String,
+    pod: String,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Vec<(Timestamp, EndpointState)>> {
+    let mut states: Vec<(Timestamp, EndpointState)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        let now = endpoints(&admin, &namespace, ISVC)
+            .await?
+            .into_iter()
+            .find(|e| e.pod == pod)
+            .map(|e| (e.ready, e.serving, e.terminating));
+        if states.last().map(|(_, s)| *s) != Some(now) {
+            states.push((Timestamp::now(), now));
+        }
+        if now.is_none() && states.len() > 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(states)
+}
+
+pub async fn drain_under_load_finishes_every_stream(env: Arc<Env>) -> anyhow::Result<()> {
+    let running = Running::start(&env, real_sample("")?).await?;
+    let pods = ensure_on_real_nodes(&running).await?;
+    let pod = pods
+        .iter()
+        .find(|p| p.name_any().contains("-g0-"))
+        .context("no pod of group 0")?
+        .clone();
+    let name = pod.name_any();
+    let node = running.ns.node(&node_of(&pod).unwrap_or_default())?.clone();
+    let ip = pod_ip(&pod)?;
+    let grace = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.termination_grace_period_seconds)
+        .context("the operator's pod has no grace period")?;
+
+    let log = FollowedLog::start(running.ns.pods(), &name, "engine");
+    let http = http()?;
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel(STREAMS);
+    let streams: Vec<_> = (0..STREAMS)
+        .map(|_| {
+            tokio::spawn(stream_completion(
+                http.clone(),
+                ip.clone(),
+                ISVC.to_owned(),
+                STREAM_TOKENS,
+                started_tx.clone(),
+            ))
+        })
+        .collect();
+    drop(started_tx);
+    let admitted = tokio::time::timeout(Duration::from_secs(120), async {
+        for _ in 0..STREAMS {
+            started_rx
+                .recv()
+                .await
+                .context("a stream ended before its first token")?;
+        }
+        anyhow::Ok(())
+    })
+    .await;
+    ensure!(
+        matches!(admitted, Ok(Ok(()))),
+        "not all {STREAMS} streams got a first token: {admitted:?}"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = tokio::spawn(watch_endpoint(
+        running.ns.admin.clone(),
+        running.ns.name().to_owned(),
+        name.clone(),
+        Arc::clone(&stop),
+    ));
+    let deleted_at = Timestamp::now();
+    running
+        .ns
+        .pods()
+        .delete(&name, &DeleteParams::default())
+        .await?;
+
+    let mut outcomes: Vec<Streamed> = Vec::new();
+    for (i, result) in join_all(streams).await.into_iter().enumerate() {
+        let streamed = result
+            .context("stream task panicked")?
+            .with_context(|| format!("stream {i}"))?;
+        ensure!(
+            streamed.finish_reason.is_some() && streamed.error.is_none(),
+            "stream {i} did not finish cleanly: {streamed:?}"
+        );
+        outcomes.push(streamed);
+    }
+    let lines = log.finish(Duration::from_secs(grace as u64 + 30)).await?;
+    let at = |needle: &str| {
+        lines
+            .iter()
+            .find(|(_, l)| l.contains(needle))
+            .map(|(t, _)| *t)
+            .with_context(|| format!("{name}'s engine never logged {needle:?}"))
+    };
+    let sigterm = at("SIGTERM")?;
+    let exited = at("drained; exiting")?;
+    let pod_key = format!("pod=\"{}/{name}\"", running.ns.name());
+    let pre_stop = kubelet_lines(&node, &["Running preStop hook", &pod_key])?
+        .last()
+        .map(|(t, _)| *t)
+        .with_context(|| {
+            format!(
+                "{}'s kubelet log has no preStop hook for {pod_key}",
+                node.name()
+            )
+        })?;
+    let last_token = outcomes
+        .iter()
+        .filter_map(|s| s.last_token)
+        .max()
+        .context("no stream saw a token")?;
+    stop.store(true, Ordering::Relaxed);
+    let states = watcher.await.context("endpoint watcher panicked")??;
+
+    let delay = running.status().await.ok();
+    let pre_stop_delay = real_sample("")?["spec"]["drain"]["preStopDelaySeconds"]
+        .as_f64()
+        .unwrap_or(0.0);
+    ensure!(
+        sigterm.duration_since(pre_stop).as_secs_f64() >= pre_stop_delay - 0.2,
+        "SIGTERM ({sigterm}) came less than the {pre_stop_delay} s preStop sleep after the hook started ({pre_stop})"
+    );
+    let exit_after = exited.duration_since(deleted_at).as_secs_f64();
+    ensure!(
+        exit_after < grace as f64,
+        "the engine exited {exit_after:.1} s after deletion, past the {grace} s grace period"
+    );
+    ensure!(
+        states.iter().any(|(_, s)| *s == Some((false, true, true))),
+        "the endpoint was never seen terminating while still serving: {states:?}"
+    );
+    ensure!(
+        matches!(states.last(), Some((_, None))),
+        "the endpoint did not leave the EndpointSlice: {states:?}"
+    );
+    let timeline = format!(
+        "drain of {name} on {} with {STREAMS} streams of {STREAM_TOKENS} tokens (grace {grace} s):\n\
+         deleted          {deleted_at}\n\
+         preStop started  {pre_stop}\n\
+         SIGTERM          {sigterm}\n\
+         last token       {last_token}\n\
+         engine exited    {exited}\n\
+         endpoint states (ready, serving, terminating): {states:?}\n\
+         finish reasons: {:?}\n\
+         status after: {}\n",
+        node.name(),
+        outcomes
+            .iter()
+            .map(|s| s.finish_reason.clone().unwrap_or_default())
+            .collect::<BTreeSet<_>>(),
+        delay.map(|s| s.to_string()).unwrap_or_default(),
+    );
+    write_report("drain-timeline.txt", &timeline)?;
+    tracing::info!("\n{timeline}");
+    Ok(())
+}
+
+fn write_report(file: &str, text: &str) -> anyhow::Result<()> {
+    let dir = real_nodes::slipway_cache().join("e2e-reports");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join(file), text)?;
+    Ok(())
+}
+
+/// Open-loop load through the client Service's ready endpoints, round-robin, as the
+/// Service would spread it (there is no kube-proxy: the endpoints are read from the
+/// EndpointSlices every second). Stops when `stop` is set; returns (sent, failed).
+async fn service_load(
+    admin: kube::Client,
+    namespace: String,
+    rate: f64,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<(u64, u64)> {
+    let http = http()?;
+    let sent = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(32));
+    let mut ips: Vec<String> = Vec::new();
+    let mut refreshed = Instant::now() - Duration::from_secs(10);
+    let mut next = 0usize;
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        if refreshed.elapsed() >= Duration::from_secs(1) {
+            ips = endpoints(&admin, &namespace, ISVC)
+                .await?
+                .into_iter()
+                .filter(|e| e.ready)
+                .map(|e| e.ip)
+                .collect();
+            refreshed = Instant::now();
+        }
+        if !ips.is_empty()
+            && let Ok(permit) = Arc::clone(&in_flight).try_acquire_owned()
+        {
+            let ip = ips[next % ips.len()].clone();
+            next += 1;
+            let (http, sent, failed) = (http.clone(), Arc::clone(&sent), Arc::clone(&failed));
+            tokio::spawn(async move {
+                let _permit = permit;
+                sent.fetch_add(1, Ordering::Relaxed);
+                let ok = http
+                    .post(format!("http://{ip}:{ENGINE_PORT}/v1/completions"))
+                    .timeout(Duration::from_secs(60))
+                    .json(&json!({"model": ISVC, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": true}))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
+                if !ok {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        tokio::time::sleep(interval).await;
+    }
+    Ok((sent.load(Ordering::Relaxed), failed.load(Ordering::Relaxed)))
+}
+
+fn with_rollout(mut isvc: Value) -> Value {
+    // Objective 0.9: a canary whose requests all miss TPOT burns 10x; thresholds of 5.
+    isvc["spec"]["slo"]["availability"] = json!(0.9);
+    isvc["spec"]["slo"]["tpot"]["threshold"] = json!("250ms");
+    isvc["spec"]["rollout"] = json!({
+        "steps": [{"weight": 50}, {"weight": 100}],
+        "maxSurge": 1,
+        "analysis": {
+            "interval": "2s",
+            "shortWindow": "8s",
+            "longWindow": "16s",
+            "shortBurnRateThreshold": 5,
+            "longBurnRateThreshold": 5,
+            "minRequests": 6,
+            "inconclusivePolicy": "Hold",
+            "metrics": {"source": "Scrape"},
+        },
+    });
+    isvc
+}
+
+pub async fn a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted(
+    env: Arc<Env>,
+) -> anyhow::Result<()> {
+    let base = with_rollout(real_sample("")?);
+    let mut running = Running::start(&env, base.clone()).await?;
+    let stable = running.status().await?["stableRelease"]
+        .as_str()
+        .context("no stableRelease once Ready")?
+        .to_owned();
+    let healthy = running.status().await?["replicas"]["healthyNeeded"]
+        .as_i64()
+        .context("no healthyNeeded")?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(service_load(
+        running.ns.admin.clone(),
+        running.ns.name().to_owned(),
+        4.0,
+        Arc::clone(&stop),
+    ));
+    let mut min_serving = i64::MAX;
+    let mut sample = |s: &Value| {
+        if let Some(serving) = s["replicas"]["serving"].as_i64() {
+            min_serving = min_serving.min(serving);
+        }
+    };
+
+    // The bad bundle: every decode step 600 ms slower (the test image's fault
+    // injection, through release.engine.args), so every request misses TPOT.
+    let mut bad = base.clone();
+    bad["metadata"]["namespace"] = json!(running.ns.name());
+    bad["spec"]["release"]["engine"]["image"] = json!(fault_injection_image()?);
+    bad["spec"]["release"]["engine"]["args"] =
+        json!(["--kv-blocks", "256", "--inject-delay-ms", "600"]);
+    apply(&running.ns, &bad).await?;
+    let rollback = running
+        .until(
+            "the slow canary rolled back",
+            Duration::from_secs(420),
+            |s| {
+                sample(s);
+                let rolled = condition(s, "RolledBack").is_some_and(|c| c["status"] == "True");
+                (rolled
+                    && s["lastRollback"]["release"]
+                        .as_str()
+                        .is_some_and(|r| r != stable))
+                .then(|| s.clone())
+            },
+        )
+        .await?;
+    let last = &rollback["lastRollback"];
+    ensure!(
+        last["shortBurnRate"].as_f64().is_some_and(|b| b > 5.0)
+            && last["longBurnRate"].as_f64().is_some_and(|b| b > 5.0),
+        "the rollback has no burn rates above the thresholds: {last}"
+    );
+    ensure!(
+        rollback["stableRelease"] == stable.as_str(),
+        "the stable release changed in a rollback: {rollback}"
+    );
+    write_report(
+        "rollback-status.yaml",
+        &serde_yaml::to_string(&rollback).unwrap_or_default(),
+    )?;
+
+    // A good bundle (a changed engine argument, no fault) is promoted.
+    let mut good = base.clone();
+    good["metadata"]["namespace"] = json!(running.ns.name());
+    good["spec"]["release"]["engine"]["args"] = json!(["--kv-blocks", "192"]);
+    apply(&running.ns, &good).await?;
+    let promoted = running
+        .until("the good bundle promoted", Duration::from_secs(600), |s| {
+            sample(s);
+            let new_stable = s["stableRelease"].as_str().is_some_and(|r| r != stable);
+            (new_stable
+                && s["canaryRelease"].is_null()
+                && condition(s, "Ready").is_some_and(|c| c["status"] == "True"))
+            .then(|| s.clone())
+        })
+        .await?;
+    stop.store(true, Ordering::Relaxed);
+    let (sent, failed) = load.await.context("load task panicked")??;
+    ensure!(
+        min_serving >= healthy,
+        "serving dropped to {min_serving} groups during the rollouts, below N_healthy = {healthy}"
+    );
+    tracing::info!(sent, failed, min_serving, promoted = %promoted["stableRelease"], "rollouts on real pods done");
+    Ok(())
+}
+
+pub async fn a_killed_engine_recreates_its_group(env: Arc<Env>) -> anyhow::Result<()> {
+    let mut running = Running::start(&env, real_sample("")?).await?;
+    let pods = ensure_on_real_nodes(&running).await?;
+    let victim = pods
+        .iter()
+        .find(|p| p.name_any().contains("-g0-"))
+        .context("no pod of group 0")?
+        .clone();
+    let name = victim.name_any();
+    let old_uid = victim.uid().unwrap_or_default();
+    let node = running
+        .ns
+        .node(&node_of(&victim).unwrap_or_default())?
+        .clone();
+    let container = victim
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == "engine"))
+        .and_then(|c| c.container_id.clone())
+        .context("the engine container has no id")?;
+    node.signal_container(&container, "SIGKILL")?;
+    let killed_at = Instant::now();
+
+    // The pod fails (restartPolicy Never), and the operator recreates the group.
+    let pods_api = running.ns.pods();
+    let deadline = Instant::now() + POD_READY * 2;
+    let recreated = loop {
+        if let Some(pod) = pods_api.get_opt(&name).await?
+            && pod.uid().unwrap_or_default() != old_uid
+            && pod_ready(&pod)
+        {
+            break pod;
+        }
+        running.operator.ensure_running()?;
+        if Instant::now() >= deadline {
+            bail!(
+                "group 0 was not recreated within {:?} of killing its engine; pods: {}\noperator log:\n{}",
+                POD_READY * 2,
+                running.pod_summary().await.unwrap_or_default(),
+                running.operator.tail()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let events = Api::<Event>::namespaced(running.ns.admin.clone(), running.ns.name())
+        .list(&ListParams::default())
+        .await?;
+    let recreation = events
+        .items
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("GroupRecreated"))
+        .with_context(|| {
+            format!(
+                "no GroupRecreated event; events: {:?}",
+                events
+                    .items
+                    .iter()
+                    .map(|e| (e.reason.clone(), e.message.clone()))
+                    .collect::<Vec<_>>()
+            )
+        })?;
+    let note = recreation.message.clone().unwrap_or_default();
+    ensure!(
+        note.contains("restart 1 of"),
+        "the recreation is not counted against the bounded restarts: {note:?}"
+    );
+    running.wait_ready(2, POD_READY).await?;
+    tracing::info!(
+        pod = %name,
+        node = node.name(),
+        after = ?killed_at.elapsed(),
+        new_node = ?node_of(&recreated),
+        %note,
+        "group recreated after its engine was killed"
+    );
+    Ok(())
+}
+
+/// Starts a stopped kubelet again when dropped, so a failed test never leaves a
+/// node down for the next one.
+struct KubeletBack(Option<RealNode>);
+
+impl Drop for KubeletBack {
+    fn drop(&mut self) {
+        if let Some(node) = self.0.take()
+            && let Err(error) = node.start_kubelet()
+        {
+            eprintln!(
+                "error: could not start {}'s kubelet again: {error}",
+                node.name()
+            );
+        }
+    }
+}
+
+fn node_ready(node: &Node) -> Option<bool> {
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status == "True")
+}
+
+pub async fn a_stopped_kubelet_loses_its_zone_and_recovers(env: Arc<Env>) -> anyhow::Result<()> {
+    let mut running = Running::start(&env, real_sample("")?).await?;
+    ensure_on_real_nodes(&running).await?;
+    let lost = running.ns.nodes[0].clone();
+    let zone = lost.zone().to_owned();
+    let nodes: Api<Node> = Api::all(running.ns.admin.clone());
+
+    lost.stop_kubelet()?;
+    let mut back = KubeletBack(Some(lost.clone()));
+    slipway_e2e::wait::for_object(
+        &nodes,
+        lost.name(),
+        &format!("{} NotReady after its kubelet stopped", lost.name()),
+        Duration::from_secs(150),
+        |n: Option<&Node>| n.and_then(node_ready) == Some(false),
+    )
+    .await?;
+    let fault = running
+        .until(
+            &format!("FaultTolerant naming the lost zone {zone}"),
+            Duration::from_secs(60),
+            |s| {
+                condition(s, "FaultTolerant")
+                    .filter(|c| c["message"].as_str().is_some_and(|m| m.contains(&zone)))
+                    .cloned()
+            },
+        )
+        .await?;
+    // Its group is recreated on the surviving node.
+    let survivor = running.ns.nodes[1].name().to_owned();
+    running
+        .until(
+            &format!("both groups ready on {survivor}"),
+            POD_READY * 2,
+            |s| (s["replicas"]["ready"] == 2).then_some(()),
+        )
+        .await?;
+    let pods = running.engine_pods().await?;
+    let ready_elsewhere = pods
+        .iter()
+        .filter(|p| pod_ready(p) && node_of(p).as_deref() == Some(survivor.as_str()))
+        .count();
+    ensure!(
+        ready_elsewhere == 2,
+        "{ready_elsewhere} ready groups on {survivor}, not 2: {}",
+        running.pod_summary().await.unwrap_or_default()
+    );
+
+    // The kubelet comes back: the node and the status recover.
+    back.0 = None;
+    lost.start_kubelet()?;
+    slipway_e2e::wait::for_object(
+        &nodes,
+        lost.name(),
+        &format!("{} Ready again", lost.name()),
+        Duration::from_secs(120),
+        |n: Option<&Node>| n.and_then(node_ready) == Some(true),
+    )
+    .await?;
+    running
+        .until("FaultTolerant True again", POD_READY * 2, |s| {
+            condition(s, "FaultTolerant")
+                .filter(|c| c["status"] == "True")
+                .cloned()
+        })
+        .await?;
+    tracing::info!(lost = %fault, "zone loss reported and recovered");
+    Ok(())
+}
