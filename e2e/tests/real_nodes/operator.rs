@@ -33,7 +33,9 @@ const ISVC: &str = "smollm2";
 const INSTANCE: &str = "app.kubernetes.io/instance=smollm2";
 /// Streams in flight during the drain test, and their length.
 const STREAMS: usize = 16;
-const STREAM_TOKENS: u32 = 32;
+/// Long enough that streams are still running when SIGTERM arrives (about 10 tokens/s
+/// per stream here), within the sample's `maxOutputTokens` raised to 128 for the test.
+const STREAM_TOKENS: u32 = 96;
 
 /// A namespace, the operator acting on it, and the sample applied and Ready.
 struct Running {
@@ -248,7 +250,9 @@ async fn watch_endpoint(
 }
 
 pub async fn drain_under_load_finishes_every_stream(env: Arc<Env>) -> anyhow::Result<()> {
-    let running = Running::start(&env, real_sample("")?).await?;
+    let mut isvc = real_sample("")?;
+    isvc["spec"]["release"]["engine"]["maxOutputTokens"] = json!(128);
+    let running = Running::start(&env, isvc).await?;
     let pods = ensure_on_real_nodes(&running).await?;
     let pod = pods
         .iter()
@@ -359,6 +363,10 @@ pub async fn drain_under_load_finishes_every_stream(env: Arc<Env>) -> anyhow::Re
     ensure!(
         exit_after < grace as f64,
         "the engine exited {exit_after:.1} s after deletion, past the {grace} s grace period"
+    );
+    ensure!(
+        last_token > sigterm,
+        "every stream ended ({last_token}) before SIGTERM ({sigterm}): the drain had nothing in flight"
     );
     ensure!(
         states.iter().any(|(_, s)| *s == Some((false, true, true))),
