@@ -12,12 +12,17 @@ ENGINE_SCRIPTS := engine/scripts
 # output, so the test targets install promtool first (Debian `prometheus`).
 test-unit: model serving-tools
 
+# The debug engine binary is the test build (with the test-only fault injection), as
+# the workspace's `cargo test` builds it, so whichever target built it last, the tests
+# that start engines with --inject-* find the flags.
+TEST_ENGINE_FEATURES := --features fault-injection
+
 .PHONY: serving-tools test-serve test-openai-client
 serving-tools:
 	@scripts/ensure-debian-packages promtool=prometheus
 
 test-serve: model serving-tools ## engine serving over real HTTP: drain, overload, disconnects, prefix cache, promtool, OpenAI Python client
-	$(CARGO) test --locked -p slipway-engine --test serve_process
+	$(CARGO) test --locked -p slipway-engine --test serve_process $(TEST_ENGINE_FEATURES)
 	$(MAKE) --no-print-directory test-openai-client
 
 # The official OpenAI Python client (pinned in engine/tests/python/requirements.txt,
@@ -25,7 +30,7 @@ test-serve: model serving-tools ## engine serving over real HTTP: drain, overloa
 # model. The engine is the test profile's build (the engine crate is optimised
 # there), shared with `cargo test`.
 test-openai-client: model ## the official OpenAI Python client against slipway-engine serve (chat/completions, streaming, usage, stop)
-	$(CARGO) build --locked -p slipway-engine --bin slipway-engine
+	$(CARGO) build --locked -p slipway-engine --bin slipway-engine $(TEST_ENGINE_FEATURES)
 	engine/tests/python/run-openai-client $(CARGO_TARGET_DIR)/debug/slipway-engine
 
 test: test-openai-client test-serve-smoke
@@ -34,7 +39,7 @@ test: test-openai-client test-serve-smoke
 # engine/scripts/test-gpu's serve check (served model name, streaming chat), run here on
 # the CPU so the GPU script is known to work before it first runs on a GPU machine.
 test-serve-smoke: model ## test-gpu's serve check on the CPU: streaming chat under the served model name
-	$(CARGO) build --locked -p slipway-engine --bin slipway-engine
+	$(CARGO) build --locked -p slipway-engine --bin slipway-engine $(TEST_ENGINE_FEATURES)
 	engine/scripts/serve-smoke $(CARGO_TARGET_DIR)/debug/slipway-engine "$$(engine/scripts/fetch-model)" cpu "$(SLIPWAY_CACHE)/serve-smoke"
 
 model: ## fetch (once) and sha256-verify the SmolLM2-135M-Instruct Q4_1 GGUF into $SLIPWAY_CACHE/models; prints its path

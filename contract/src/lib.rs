@@ -1,5 +1,6 @@
 //! The contract between the Slipway operator and the engine it runs: everything that
-//! crosses the pod boundary as a command line, a port, an HTTP path or an exit code.
+//! crosses the pod boundary as a command line, a port, an HTTP path, an exit code or a
+//! metric name.
 //!
 //! Both sides use these types: the engine's `main` parses its `serve` and `fetch`
 //! subcommands with [`EngineCommand`], and the operator builds every container's
@@ -19,6 +20,7 @@
 //! ([`units::parse_size`]).
 
 pub mod fetch;
+pub mod metrics;
 pub mod serve;
 pub mod units;
 

@@ -59,7 +59,7 @@ fn start_engine(release: &str, extra: &[&str]) -> Engine {
         ])
         .args(extra)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn slipway-engine");
     let stdout = child.stdout.take().expect("piped stdout");
@@ -77,7 +77,13 @@ fn start_engine(release: &str, extra: &[&str]) -> Engine {
     };
     engine.address = rx
         .recv_timeout(Duration::from_secs(120))
-        .expect("slipway-engine serve did not print `listening on <url>` within 120 s");
+        .unwrap_or_else(|_| {
+            panic!(
+                "slipway-engine serve did not print `listening on <url>` within 120 s (exit: {:?}; \
+             an engine built without `--features fault-injection` rejects --inject-*)",
+                engine.child.try_wait()
+            )
+        });
     engine
 }
 

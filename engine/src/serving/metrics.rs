@@ -44,43 +44,12 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// How a request ended, as counted in `slipway_requests_total{outcome}`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Outcome {
-    /// Completed (EOS, stop string or length).
-    Ok,
-    /// Refused: the tenant is over its token rate.
-    Rejected429,
-    /// Refused: overloaded, draining, or could not start before its deadline.
-    Rejected503,
-    /// The client cancelled or went away.
-    Cancelled,
-    /// The server failed it (engine error, shutdown timeout, injected fault).
-    Error,
-}
-
-impl Outcome {
-    /// Every outcome, in label order.
-    pub const ALL: [Self; 5] = [
-        Self::Ok,
-        Self::Rejected429,
-        Self::Rejected503,
-        Self::Cancelled,
-        Self::Error,
-    ];
-
-    /// The `outcome` label value.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ok => "ok",
-            Self::Rejected429 => "rejected_429",
-            Self::Rejected503 => "rejected_503",
-            Self::Cancelled => "cancelled",
-            Self::Error => "error",
-        }
-    }
-}
+/// How a request ended, as counted in `slipway_requests_total{outcome}`: the
+/// contract's type, which the operator's analysis reads.
+pub use slipway_contract::metrics::Outcome;
+use slipway_contract::metrics::{
+    MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET,
+};
 
 /// Latency targets of the SLO (the CRD's `slo.ttft`/`slo.tpot` thresholds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,8 +141,8 @@ impl ServingMetrics {
     #[must_use]
     pub fn new(model: &str, release: &str) -> Self {
         let labels = [
-            (Cow::Borrowed("model"), Cow::Owned(model.to_owned())),
-            (Cow::Borrowed("release"), Cow::Owned(release.to_owned())),
+            (Cow::Borrowed(MODEL_LABEL), Cow::Owned(model.to_owned())),
+            (Cow::Borrowed(RELEASE_LABEL), Cow::Owned(release.to_owned())),
         ];
         let mut registry = Registry::with_labels(labels.into_iter());
         let m = Self {
@@ -193,17 +162,17 @@ impl ServingMetrics {
             registry: Registry::default(),
         };
         for o in Outcome::ALL {
-            let _ = m.requests.get_or_create(&[("outcome", o.as_str())]);
+            let _ = m.requests.get_or_create(&[(OUTCOME_LABEL, o.as_str())]);
         }
         // Counter names are given without `_total`: the encoder appends it.
         let r = &mut registry;
         r.register(
-            "slipway_requests",
+            REQUESTS,
             "Requests by how they ended (counted once, at the end)",
             m.requests.clone(),
         );
         r.register(
-            "slipway_requests_slo_met",
+            REQUESTS_SLO_MET,
             "Successful requests whose TTFT and TPOT met --slo-ttft-ms and --slo-tpot-ms",
             m.slo_met.clone(),
         );
@@ -268,7 +237,7 @@ impl ServingMetrics {
     /// Counts a request that ended.
     pub fn request_ended(&self, outcome: Outcome) {
         self.requests
-            .get_or_create(&[("outcome", outcome.as_str())])
+            .get_or_create(&[(OUTCOME_LABEL, outcome.as_str())])
             .inc();
     }
 
@@ -276,7 +245,7 @@ impl ServingMetrics {
     #[must_use]
     pub fn requests(&self, outcome: Outcome) -> u64 {
         self.requests
-            .get_or_create(&[("outcome", outcome.as_str())])
+            .get_or_create(&[(OUTCOME_LABEL, outcome.as_str())])
             .get()
     }
 

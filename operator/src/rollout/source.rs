@@ -33,11 +33,19 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use slipway_api::duration;
 use slipway_api::spec::{AnalysisSpec, MetricsSourceKind};
+use slipway_contract::metrics::{
+    OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET, counter_total,
+};
 
 use super::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
 
-/// Outcomes that count as eligible: the server served or failed the user.
-pub const ELIGIBLE_OUTCOMES: [&str; 3] = ["ok", "error", "rejected_503"];
+/// `outcome` values that count as eligible: the server served or failed the user.
+pub fn eligible_outcomes() -> impl Iterator<Item = &'static str> {
+    Outcome::ALL
+        .into_iter()
+        .filter(|o| o.is_slo_eligible())
+        .map(Outcome::as_str)
+}
 /// Env var of the test-only pod-IP → address map.
 pub const ADDRESS_MAP_ENV: &str = "SLIPWAY_TEST_SCRAPE_ADDRESS_MAP";
 /// Timeout of one scrape or query.
@@ -54,6 +62,7 @@ pub struct Counters {
 /// `slipway_requests_total` for `release` from Prometheus text format. Lines it does
 /// not need, or cannot parse, are skipped.
 pub fn parse_counters(text: &str, release: &str) -> Counters {
+    let (good_name, requests_name) = (counter_total(REQUESTS_SLO_MET), counter_total(REQUESTS));
     let mut counters = Counters::default();
     for line in text.lines() {
         let line = line.trim();
@@ -63,19 +72,17 @@ pub fn parse_counters(text: &str, release: &str) -> Counters {
         let Some((name, labels, value)) = parse_line(line) else {
             continue;
         };
-        if labels.get("release").map(String::as_str) != Some(release) {
+        if labels.get(RELEASE_LABEL).map(String::as_str) != Some(release) {
             continue;
         }
-        match name {
-            "slipway_requests_slo_met_total" => counters.good += value,
-            "slipway_requests_total"
-                if labels
-                    .get("outcome")
-                    .is_some_and(|o| ELIGIBLE_OUTCOMES.contains(&o.as_str())) =>
-            {
-                counters.eligible += value;
-            }
-            _ => {}
+        if name == good_name {
+            counters.good += value;
+        } else if name == requests_name
+            && labels
+                .get(OUTCOME_LABEL)
+                .is_some_and(|o| eligible_outcomes().any(|e| e == o))
+        {
+            counters.eligible += value;
         }
     }
     counters
@@ -214,10 +221,14 @@ impl SampleStore {
 pub fn promql(release: &str, window: Duration) -> (String, String) {
     let w = format!("{}ms", window.as_millis());
     (
-        format!("sum(increase(slipway_requests_slo_met_total{{release=\"{release}\"}}[{w}]))"),
         format!(
-            "sum(increase(slipway_requests_total{{release=\"{release}\",outcome=~\"{}\"}}[{w}]))",
-            ELIGIBLE_OUTCOMES.join("|")
+            "sum(increase({}{{{RELEASE_LABEL}=\"{release}\"}}[{w}]))",
+            counter_total(REQUESTS_SLO_MET)
+        ),
+        format!(
+            "sum(increase({}{{{RELEASE_LABEL}=\"{release}\",{OUTCOME_LABEL}=~\"{}\"}}[{w}]))",
+            counter_total(REQUESTS),
+            eligible_outcomes().collect::<Vec<_>>().join("|")
         ),
     )
 }
@@ -591,7 +602,7 @@ slipway_requests_slo_met_created{model="smol",release="abc"} 1.7e9
         );
         assert_eq!(
             eligible,
-            r#"sum(increase(slipway_requests_total{release="abc1234567",outcome=~"ok|error|rejected_503"}[300000ms]))"#
+            r#"sum(increase(slipway_requests_total{release="abc1234567",outcome=~"ok|rejected_503|error"}[300000ms]))"#
         );
     }
 

@@ -1,0 +1,68 @@
+//! The engine's metric names and labels that the operator (rollout analysis) and
+//! Prometheus queries read. The engine registers its families under these names; the
+//! operator parses scrapes and writes PromQL with them.
+
+/// Counter family of requests by how they ended (exposed as `slipway_requests_total`).
+pub const REQUESTS: &str = "slipway_requests";
+/// Counter family of successful requests that met the SLO's TTFT and TPOT targets
+/// (exposed as `slipway_requests_slo_met_total`).
+pub const REQUESTS_SLO_MET: &str = "slipway_requests_slo_met";
+
+/// Label: the release bundle's short hash (`serve --release`).
+pub const RELEASE_LABEL: &str = "release";
+/// Label: the served model name (`serve --served-model-name`).
+pub const MODEL_LABEL: &str = "model";
+/// Label of [`REQUESTS`]: an [`Outcome`].
+pub const OUTCOME_LABEL: &str = "outcome";
+
+/// The sample name of a counter family in the text format.
+#[must_use]
+pub fn counter_total(family: &str) -> String {
+    format!("{family}_total")
+}
+
+/// How a request ended, the `outcome` label of [`REQUESTS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Completed (EOS, stop string or length).
+    Ok,
+    /// Refused: the tenant is over its token rate.
+    Rejected429,
+    /// Refused: overloaded, draining, or could not start before its deadline.
+    Rejected503,
+    /// The client cancelled or went away.
+    Cancelled,
+    /// The server failed it (engine error, shutdown timeout, injected fault).
+    Error,
+}
+
+impl Outcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 5] = [
+        Self::Ok,
+        Self::Rejected429,
+        Self::Rejected503,
+        Self::Cancelled,
+        Self::Error,
+    ];
+
+    /// The `outcome` label value.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Rejected429 => "rejected_429",
+            Self::Rejected503 => "rejected_503",
+            Self::Cancelled => "cancelled",
+            Self::Error => "error",
+        }
+    }
+
+    /// Whether the request counts against the SLO's availability: the server either
+    /// served it or failed it. A tenant over its own rate (429) and a client that went
+    /// away are not the server's doing.
+    #[must_use]
+    pub fn is_slo_eligible(self) -> bool {
+        matches!(self, Self::Ok | Self::Error | Self::Rejected503)
+    }
+}
