@@ -10,32 +10,17 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead as _, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
 use serde_json::Value;
-use slipway_engine::testing::{engine_binary, model_path};
+use slipway_engine::testing::{ServeProcess, engine_binary, model_path};
 
 /// The name the engine serves (it answers 404 to any other `model`).
 const MODEL_NAME: &str = "bench";
 
-/// The engine process, killed when the test ends however it ends.
-struct Engine {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_engine() -> Engine {
-    let mut child = Command::new(engine_binary())
+fn start_engine() -> ServeProcess {
+    let mut command = Command::new(engine_binary());
+    command
         .args(["serve", "--model"])
         .arg(model_path())
         .args([
@@ -52,28 +37,9 @@ fn start_engine() -> Engine {
             "--served-model-name",
             MODEL_NAME,
         ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    // The engine prints its address once the model is loaded and the port bound.
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(url) = line.strip_prefix("listening on ") {
-                let _ = tx.send(url.trim().to_owned());
-            }
-        }
-    });
-    let mut engine = Engine {
-        child,
-        url: String::new(),
-    };
-    engine.url = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("slipway-engine serve did not print `listening on <url>` within 120 s");
-    engine
+        .stderr(Stdio::inherit());
+    // Returns once the model is loaded and the port bound (its `listening on` line).
+    ServeProcess::spawn(command)
 }
 
 /// Whether the engine accepts `ignore_eos` (vLLM's and llama-server's extension).
@@ -101,10 +67,10 @@ async fn accepts_ignore_eos(url: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_sweep_against_the_real_engine_writes_summary_records_and_plot() {
     let engine = start_engine();
-    let ignore_eos = accepts_ignore_eos(&engine.url).await;
+    let ignore_eos = accepts_ignore_eos(engine.base()).await;
     eprintln!(
         "engine at {} (accepts ignore_eos: {ignore_eos})",
-        engine.url
+        engine.base()
     );
 
     let dir = tempfile::tempdir().unwrap();
@@ -120,7 +86,7 @@ async fn short_sweep_against_the_real_engine_writes_summary_records_and_plot() {
     let mut args: Vec<String> = [
         "sweep",
         "--url",
-        &engine.url,
+        engine.base(),
         "--model",
         MODEL_NAME,
         "--label",

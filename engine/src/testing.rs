@@ -132,3 +132,148 @@ pub fn oracle() -> Oracle {
     });
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is malformed: {e}", path.display()))
 }
+
+/// A `slipway-engine serve` child process, for the tests that run the real engine
+/// over HTTP (this crate's, the operator's, the bench's). Killed when dropped.
+pub struct ServeProcess {
+    child: std::process::Child,
+    base: String,
+}
+
+impl ServeProcess {
+    /// Spawns `command` (a `slipway-engine serve ...` command; stdout is taken over)
+    /// and waits up to 120 s for its `listening on <url>` line.
+    ///
+    /// # Panics
+    /// If it cannot start, or exits or stays silent before listening (the exit
+    /// status says which).
+    #[must_use]
+    pub fn spawn(mut command: std::process::Command) -> Self {
+        use std::io::BufRead as _;
+        let mut child = command
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawning slipway-engine serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Reads to the end, so the child never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if !sent && let Some(url) = line.strip_prefix("listening on ") {
+                    let _ = tx.send(url.trim().to_owned());
+                    sent = true;
+                }
+            }
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(base) => Self { child, base },
+            Err(_) => {
+                let status = child.try_wait();
+                let _ = child.kill();
+                panic!(
+                    "slipway-engine serve did not print `listening on <url>` within 120 s \
+                     (exit: {status:?}; one built without `--features fault-injection` rejects --inject-*)"
+                )
+            }
+        }
+    }
+
+    /// `http://host:port`.
+    #[must_use]
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// `host:port`.
+    #[must_use]
+    pub fn address(&self) -> &str {
+        self.base.strip_prefix("http://").unwrap_or(&self.base)
+    }
+
+    /// The URL of `path` on this server.
+    #[must_use]
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sends SIGTERM, as the kubelet does after the preStop hook.
+    ///
+    /// # Panics
+    /// If `kill` fails.
+    pub fn sigterm(&self) {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits up to `within` for the process to exit; `None` if it is still running.
+    ///
+    /// # Panics
+    /// If its status cannot be read.
+    pub async fn exit_within(
+        &mut self,
+        within: std::time::Duration,
+    ) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Reads SSE `data:` payloads until `[DONE]` or the end of the body; calls `first`
+/// after the first payload.
+///
+/// # Panics
+/// If the body cannot be read.
+pub async fn read_sse(mut response: reqwest::Response, mut first: impl FnMut()) -> Vec<String> {
+    let mut buffer = String::new();
+    let mut data = Vec::new();
+    while let Some(chunk) = response.chunk().await.expect("reading the stream") {
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buffer.find('\n') {
+            let line: String = buffer.drain(..=end).collect();
+            if let Some(payload) = line.trim_end().strip_prefix("data: ") {
+                data.push(payload.to_owned());
+                if data.len() == 1 {
+                    first();
+                }
+                if payload == "[DONE]" {
+                    return data;
+                }
+            }
+        }
+    }
+    data
+}
+
+/// The first `finish_reason` among SSE payloads.
+#[must_use]
+pub fn finish_reason(payloads: &[String]) -> Option<String> {
+    payloads
+        .iter()
+        .filter_map(|p| serde_json::from_str::<serde_json::Value>(p).ok())
+        .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_owned))
+}

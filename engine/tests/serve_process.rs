@@ -10,107 +10,52 @@
 //! one at a time (a shared lock): each starts its own server, and on a small
 //! machine parallel servers would only measure each other.
 
-use std::io::{BufRead as _, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use slipway_engine::testing::model_path;
+use slipway_engine::testing::{ServeProcess, finish_reason, model_path, read_sse};
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const MODEL: &str = "smol";
 
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Server {
-    /// Starts `serve` on a free port and waits for its "listening on" line.
-    fn start(extra: &[&str]) -> Self {
-        assert!(
-            cfg!(feature = "fault-injection") || !extra.iter().any(|a| a.starts_with("--inject")),
-            "this test needs the engine's test-only fault injection: run it with \
+/// Starts `serve` on a free port with this file's defaults and `extra` flags, and
+/// waits for its "listening on" line.
+fn start_server(extra: &[&str]) -> ServeProcess {
+    assert!(
+        cfg!(feature = "fault-injection") || !extra.iter().any(|a| a.starts_with("--inject")),
+        "this test needs the engine's test-only fault injection: run it with \
              `--features fault-injection` (`make test` and the workspace's `cargo test` do)"
-        );
-        let model = model_path();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_slipway-engine"))
-            .arg("serve")
-            .arg("--model")
-            .arg(&model)
-            .args([
-                "--port",
-                "0",
-                "--served-model-name",
-                MODEL,
-                "--release",
-                "r1",
-                "--max-model-len",
-                "1024",
-                "--kv-blocks",
-                "1024",
-            ])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawning slipway-engine serve");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let base = loop {
-            match lines.next() {
-                Some(Ok(l)) => {
-                    if let Some(url) = l.strip_prefix("listening on ") {
-                        break url.trim().to_string();
-                    }
-                }
-                _ => {
-                    let status = child.wait();
-                    panic!("serve exited before listening: {status:?}");
-                }
-            }
-        };
-        // Keep draining stdout so the child never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Self { child, base }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn sigterm(&self) {
-        let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("running kill");
-        assert!(ok.success(), "kill -TERM failed");
-    }
-
-    /// Waits (polling) for the process to exit.
-    async fn exit_status(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(s) = self.child.try_wait().expect("try_wait") {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "serve did not exit within {within:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+    );
+    let mut command = Command::new(env!("CARGO_BIN_EXE_slipway-engine"));
+    command
+        .arg("serve")
+        .arg("--model")
+        .arg(model_path())
+        .args([
+            "--port",
+            "0",
+            "--served-model-name",
+            MODEL,
+            "--release",
+            "r1",
+            "--max-model-len",
+            "1024",
+            "--kv-blocks",
+            "1024",
+        ])
+        .args(extra)
+        .stderr(Stdio::inherit());
+    ServeProcess::spawn(command)
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// Waits for `server` to exit within `within`.
+async fn exit_status(server: &mut ServeProcess, within: Duration) -> std::process::ExitStatus {
+    server
+        .exit_within(within)
+        .await
+        .unwrap_or_else(|| panic!("serve did not exit within {within:?}"))
 }
 
 fn client() -> reqwest::Client {
@@ -125,30 +70,7 @@ fn completion(prompt: &str, max_tokens: usize, stream: bool) -> Value {
            "temperature": 0, "stream": stream})
 }
 
-/// Reads SSE `data:` payloads until `[DONE]` or the end of the body; calls
-/// `first` after the first payload.
-async fn read_sse(mut resp: reqwest::Response, mut first: impl FnMut()) -> Vec<String> {
-    let mut buf = String::new();
-    let mut data = Vec::new();
-    while let Some(chunk) = resp.chunk().await.expect("reading the stream") {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(i) = buf.find('\n') {
-            let line: String = buf.drain(..=i).collect();
-            if let Some(d) = line.trim_end().strip_prefix("data: ") {
-                data.push(d.to_string());
-                if data.len() == 1 {
-                    first();
-                }
-                if d == "[DONE]" {
-                    return data;
-                }
-            }
-        }
-    }
-    data
-}
-
-async fn metrics_text(c: &reqwest::Client, s: &Server) -> String {
+async fn metrics_text(c: &reqwest::Client, s: &ServeProcess) -> String {
     c.get(s.url("/metrics"))
         .send()
         .await
@@ -173,17 +95,10 @@ fn metric(text: &str, name: &str, outcome: Option<&str>) -> f64 {
         .unwrap_or_else(|| panic!("{series} not in /metrics:\n{text}"))
 }
 
-fn finish_reason(chunks: &[String]) -> Option<String> {
-    chunks
-        .iter()
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(String::from))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_with_16_streams_in_flight_completes_them_all_and_exits_0() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut server = Server::start(&["--max-num-seqs", "16", "--shutdown-timeout-ms", "60000"]);
+    let mut server = start_server(&["--max-num-seqs", "16", "--shutdown-timeout-ms", "60000"]);
     let c = client();
     let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
     let mut streams = Vec::new();
@@ -247,7 +162,7 @@ async fn sigterm_with_16_streams_in_flight_completes_them_all_and_exits_0() {
             "stream {i} ended with {reason:?}: {chunks:?}"
         );
     }
-    let status = server.exit_status(Duration::from_secs(30)).await;
+    let status = exit_status(&mut server, Duration::from_secs(30)).await;
     assert!(status.success(), "exit status {status:?}");
 }
 
@@ -256,7 +171,7 @@ async fn requests_still_running_when_the_shutdown_budget_ends_get_an_explicit_er
     let _one = ONE_AT_A_TIME.lock().await;
     // 50 ms per decode step (test-only injection): 300 tokens take 15 s, far past the
     // 1 s budget.
-    let mut server = Server::start(&["--shutdown-timeout-ms", "1000", "--inject-delay-ms", "50"]);
+    let mut server = start_server(&["--shutdown-timeout-ms", "1000", "--inject-delay-ms", "50"]);
     let c = client();
     let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
     let streaming = {
@@ -312,14 +227,14 @@ async fn requests_still_running_when_the_shutdown_budget_ends_get_an_explicit_er
     let (status, body) = whole.await.expect("request task");
     assert_eq!(status, 503, "{body}");
     assert!(body["error"]["message"].is_string(), "{body}");
-    let status = server.exit_status(Duration::from_secs(10)).await;
+    let status = exit_status(&mut server, Duration::from_secs(10)).await;
     assert!(status.success(), "exit status {status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_open_loop_burst_is_shed_with_retry_after_while_health_stays_fast() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let server = Server::start(&["--max-num-seqs", "4", "--max-queue", "4"]);
+    let server = start_server(&["--max-num-seqs", "4", "--max-queue", "4"]);
     let c = client();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let health = {
@@ -438,7 +353,7 @@ fn promtool_check(text: &str) {
 async fn fifty_clients_dropping_mid_stream_leave_kv_usage_at_idle() {
     let _one = ONE_AT_A_TIME.lock().await;
     // 50 × (prompt + 200 tokens) ≈ 700 blocks: all admitted at once.
-    let server = Server::start(&["--max-num-seqs", "64"]);
+    let server = start_server(&["--max-num-seqs", "64"]);
     let c = client();
     let idle = metric(
         &metrics_text(&c, &server).await,
@@ -486,7 +401,7 @@ async fn fifty_clients_dropping_mid_stream_leave_kv_usage_at_idle() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shared_prefix_hits_the_cache_over_http_only_under_the_same_salt() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let server = Server::start(&[]);
+    let server = start_server(&[]);
     let c = client();
     let prefix = "The harbor master counted the boats twice. ".repeat(25);
     let ask = |question: &str, salt: &str| {

@@ -23,17 +23,16 @@
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
 use slipway_api::InferenceService;
 use slipway_api::spec::Device;
 use slipway_contract::{EngineCommand, ServeArgs, exit};
-use slipway_engine::testing::{engine_binary, model_path};
+use slipway_engine::testing::{ServeProcess, engine_binary, finish_reason, model_path, read_sse};
 use slipway_operator::observed::Observed;
 use slipway_operator::plan::{Child as PlanChild, plan};
 
@@ -82,114 +81,23 @@ fn every_samples_pods_run_containers_the_engine_accepts() {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
-/// A running engine started from a pod's container.
-struct Engine {
-    child: Child,
-    base: String,
-}
-
-impl Engine {
-    /// Starts the container's command with only what this machine needs remapped.
-    fn start(container: &Container, serve: &ServeArgs) -> Self {
-        let local = ServeArgs {
-            model: model_path(),
-            host: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            port: 0,
-            ..serve.clone()
-        };
-        let mut command = Command::new(engine_binary());
-        command
-            .args(EngineCommand::Serve(local).to_args())
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for var in container.env.iter().flatten() {
-            command.env(&var.name, var.value.clone().unwrap_or_default());
-        }
-        let mut child = command.spawn().expect("spawning slipway-engine");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead as _;
-            let mut sent = false;
-            for line in std::io::BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-            {
-                if !sent && let Some(url) = line.strip_prefix("listening on ") {
-                    let _ = tx.send(url.trim().to_owned());
-                    sent = true;
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("the engine printed `listening on <url>` within 120 s");
-        Self { child, base }
+/// Starts the container's command with only what this machine needs remapped.
+fn start(container: &Container, serve: &ServeArgs) -> ServeProcess {
+    let local = ServeArgs {
+        model: model_path(),
+        host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        port: 0,
+        ..serve.clone()
+    };
+    let mut command = Command::new(engine_binary());
+    command
+        .args(EngineCommand::Serve(local).to_args())
+        .env_clear()
+        .stderr(Stdio::inherit());
+    for var in container.env.iter().flatten() {
+        command.env(&var.name, var.value.clone().unwrap_or_default());
     }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("running kill");
-        assert!(status.success(), "kill -TERM failed");
-    }
-
-    /// Waits for the process to exit, at most `within`.
-    async fn exit_within(&mut self, within: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// Reads an SSE stream to its end: every `data:` payload, in order.
-async fn read_sse(response: reqwest::Response, mut on_first: impl FnMut()) -> Vec<String> {
-    let mut body = response.bytes_stream();
-    let (mut buffer, mut events) = (String::new(), Vec::new());
-    while let Some(chunk) = body.next().await {
-        let chunk = chunk.expect("stream chunk");
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            for data in event.lines().filter_map(|l| l.strip_prefix("data:")) {
-                if events.is_empty() {
-                    on_first();
-                }
-                events.push(data.trim().to_owned());
-            }
-        }
-    }
-    events
-}
-
-fn finish_reason(events: &[String]) -> Option<String> {
-    events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-        .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_owned))
+    ServeProcess::spawn(command)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -249,7 +157,7 @@ async fn run_pod_as_rendered(stem: &str) {
     let after_pre_stop = Duration::from_secs(u64::try_from(grace - pre_stop).unwrap_or(0));
 
     let started = Instant::now();
-    let mut engine = Engine::start(container, &serve);
+    let mut engine = start(container, &serve);
     let client = reqwest::Client::new();
     loop {
         let ready = client.get(engine.url(&ready_path)).send().await;

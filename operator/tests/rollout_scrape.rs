@@ -10,35 +10,20 @@
 //! the model (`make model`, or `SLIPWAY_MODEL`); a missing one fails with instructions.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use slipway_api::spec::AnalysisSpec;
-use slipway_engine::testing::{engine_binary, model_path};
+use slipway_engine::testing::{ServeProcess, engine_binary, model_path};
 use slipway_operator::rollout::analysis::{Thresholds, Verdict, judge};
 use slipway_operator::rollout::source::{Reader, Target};
 
 const MODEL_NAME: &str = "smol";
 const REQUESTS: usize = 12;
 
-/// An engine process, killed when dropped.
-struct Engine {
-    child: Child,
-    /// host:port
-    address: String,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_engine(release: &str, extra: &[&str]) -> Engine {
-    let mut child = Command::new(engine_binary())
+fn start_engine(release: &str, extra: &[&str]) -> ServeProcess {
+    let mut command = Command::new(engine_binary());
+    command
         .args(["serve", "--model"])
         .arg(model_path())
         .args([
@@ -58,33 +43,8 @@ fn start_engine(release: &str, extra: &[&str]) -> Engine {
             "60",
         ])
         .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn slipway-engine");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(url) = line.strip_prefix("listening on http://") {
-                let _ = tx.send(url.trim().to_owned());
-            }
-        }
-    });
-    let mut engine = Engine {
-        child,
-        address: String::new(),
-    };
-    engine.address = rx
-        .recv_timeout(Duration::from_secs(120))
-        .unwrap_or_else(|_| {
-            panic!(
-                "slipway-engine serve did not print `listening on <url>` within 120 s (exit: {:?}; \
-             an engine built without `--features fault-injection` rejects --inject-*)",
-                engine.child.try_wait()
-            )
-        });
-    engine
+        .stderr(Stdio::inherit());
+    ServeProcess::spawn(command)
 }
 
 async fn complete(http: &reqwest::Client, address: &str) {
@@ -116,8 +76,8 @@ async fn scrape_reads_real_engines_and_a_slow_canary_burns_its_budget() {
     let stable = start_engine("stable0001", &[]);
     let canary = start_engine("canary0001", &["--inject-delay-ms", "150"]);
     let reader = Reader::with_address_map(HashMap::from([
-        ("10.0.0.1".to_owned(), stable.address.clone()),
-        ("10.0.0.2".to_owned(), canary.address.clone()),
+        ("10.0.0.1".to_owned(), stable.address().to_owned()),
+        ("10.0.0.2".to_owned(), canary.address().to_owned()),
     ]));
     let targets = [
         Target {
@@ -139,8 +99,8 @@ async fn scrape_reads_real_engines_and_a_slow_canary_burns_its_budget() {
     assert_eq!(before.error, None);
     let http = reqwest::Client::new();
     for _ in 0..REQUESTS {
-        complete(&http, &stable.address).await;
-        complete(&http, &canary.address).await;
+        complete(&http, stable.address()).await;
+        complete(&http, canary.address()).await;
     }
     // Readings are reused within the interval; the next one scrapes again.
     tokio::time::sleep(Duration::from_millis(1100)).await;
