@@ -500,25 +500,30 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
         rack(leader),
         rack(worker)
     );
-    let leader_addr = format!("big-g0-r0.big-g0.{}.svc:8000", setup.ns());
+    // Ranks are labels and DNS names (hostname.subdomain under the group's headless
+    // Service); the engine is told nothing of its place until it runs tensor/pipeline
+    // parallelism, so the operator sets no env for it.
     for (pod, rank) in [(leader, "0"), (worker, "1")] {
-        let env = env_of(pod);
+        let spec = pod.spec.as_ref().context("pod spec")?;
         ensure!(
-            env.get("SLIPWAY_RANK").map(String::as_str) == Some(rank),
-            "{}: rank {:?}",
+            pod.labels().get("slipway.dev/rank").map(String::as_str) == Some(rank),
+            "{}: rank label {:?}",
             pod.name_any(),
-            env.get("SLIPWAY_RANK")
+            pod.labels().get("slipway.dev/rank")
         );
         ensure!(
-            env.get("SLIPWAY_WORLD_SIZE").map(String::as_str) == Some("2"),
-            "{}: world size",
-            pod.name_any()
+            spec.hostname.as_deref() == Some(pod.name_any().as_str())
+                && spec.subdomain.as_deref() == Some("big-g0"),
+            "{}: DNS name {:?}.{:?}",
+            pod.name_any(),
+            spec.hostname,
+            spec.subdomain
         );
         ensure!(
-            env.get("SLIPWAY_LEADER_ADDR") == Some(&leader_addr),
-            "{}: leader {:?}",
+            env_of(pod).is_empty(),
+            "{}: the operator set env {:?}",
             pod.name_any(),
-            env.get("SLIPWAY_LEADER_ADDR")
+            env_of(pod)
         );
     }
 
