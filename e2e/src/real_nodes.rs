@@ -118,6 +118,43 @@ impl RealNode {
         self.dir.join("pod-logs")
     }
 
+    /// Every process this node runs, as `(name, pid)` from its pid files
+    /// (`<pid> <exe>`), keeping only those still running the recorded executable.
+    ///
+    /// # Errors
+    /// When the pid directory cannot be read.
+    pub fn processes(&self) -> Result<Vec<(String, u32)>> {
+        let dir = self.dir.join("pids");
+        let entries = std::fs::read_dir(&dir).map_err(|source| Error::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(name) = path.file_stem().and_then(|s| s.to_str()) else {
+                continue;
+            };
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let mut fields = text.split_whitespace();
+            let (Some(pid), Some(exe)) = (fields.next(), fields.next()) else {
+                continue;
+            };
+            let Ok(pid) = pid.parse::<u32>() else {
+                continue;
+            };
+            let running =
+                std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e == Path::new(exe));
+            if running {
+                out.push((name.to_owned(), pid));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
     /// Run `ctr` against this node's containerd in the CRI's namespace (`k8s.io`).
     ///
     /// # Errors

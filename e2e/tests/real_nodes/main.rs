@@ -10,6 +10,7 @@
 //! sleeps to synchronise.
 
 mod images;
+mod network;
 mod operator;
 mod pods;
 mod support;
@@ -39,6 +40,7 @@ macro_rules! tests {
 fn all_tests() -> Vec<(&'static str, TestFn)> {
     tests![
         images::imported_images_match_the_dockerfile,
+        network::node_processes_listen_only_inside_their_namespace,
         pods::a_hand_written_engine_pod_is_probed_ready_and_drains_on_each_real_node,
         operator::cpu_sample_is_ready_on_real_nodes_and_answers,
         operator::drain_under_load_finishes_every_stream,

@@ -17,7 +17,7 @@ use kube::api::{DynamicObject, ListParams, LogParams, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, ResourceExt as _};
 use serde_json::{Value, json};
-use slipway_e2e::build::cargo_build;
+use slipway_e2e::build::cargo_build_features;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::real_nodes::{self, ModelClaim, RealNode};
 use slipway_e2e::{Cluster, TestNamespace, crd, manifests};
@@ -34,12 +34,28 @@ pub struct Env {
 }
 
 /// The operator binary, built once per run by the first test that needs it (so the
-/// image and pod tests do not depend on it).
+/// image and pod tests do not depend on it). It is the operator's test build
+/// (`fault-injection`), which accepts the engine's `--inject-*` flags in
+/// `release.engine.args`: only the rollout test passes them. Copied out of cargo's
+/// target directory, so another test binary's build of the plain operator cannot
+/// replace it underneath.
 fn operator_bin() -> anyhow::Result<PathBuf> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            cargo_build("slipway-operator", "slipway-operator").map_err(|e| e.to_string())
+            let built =
+                cargo_build_features("slipway-operator", "slipway-operator", &["fault-injection"])
+                    .map_err(|e| e.to_string())?;
+            let dir = real_nodes::slipway_cache().join("real-nodes-e2e");
+            let copy = dir.join("slipway-operator-fault-injection");
+            std::fs::create_dir_all(&dir)
+                .and_then(|()| {
+                    // A new file, never rewriting one a running operator executes.
+                    let _ = std::fs::remove_file(&copy);
+                    std::fs::copy(&built, &copy)
+                })
+                .map_err(|e| format!("copying {} to {}: {e}", built.display(), copy.display()))?;
+            Ok(copy)
         })
         .clone()
         .map_err(|e| anyhow::anyhow!("building slipway-operator: {e}"))
