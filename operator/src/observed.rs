@@ -178,11 +178,21 @@ fn termination(terminated: &ContainerStateTerminated) -> Option<String> {
         slipway_contract::exit::USAGE => "engine arguments rejected".to_owned(),
         _ => terminated.reason.clone()?,
     };
+    // Only the engine's own error line is a reason; a killed process's message is just
+    // whatever it logged last, so it is named by its exit code instead.
     let last_line = terminated
         .message
         .as_deref()
         .and_then(|m| m.lines().rev().find(|l| !l.trim().is_empty()))
-        .map(|l| l.trim().trim_start_matches("Error: "));
+        .and_then(|l| {
+            let l = l.trim();
+            l.strip_prefix("Error: ")
+                .or_else(|| l.starts_with("error: ").then_some(l))
+        });
+    let reason = match (last_line, terminated.exit_code) {
+        (None, code) if code != 0 => format!("{reason}, exit {code}"),
+        _ => reason,
+    };
     Some(match last_line {
         Some(line) if line.chars().count() > MESSAGE_QUOTE_LEN => format!(
             "{reason}: {}…",
@@ -352,8 +362,17 @@ mod tests {
             .as_deref(),
             Some("engine arguments rejected: error: unexpected argument '--rank' found")
         );
-        assert_eq!(termination(&terminated(1, None)).as_deref(), Some("Error"));
-        let long = "x".repeat(1000);
+        assert_eq!(termination(&terminated(1, None)).as_deref(), Some("Error, exit 1"));
+        // A killed engine's message is its last log line: named by the exit code instead.
+        assert_eq!(
+            termination(&terminated(
+                137,
+                Some("2026-01-01T00:00:00Z INFO request done")
+            ))
+            .as_deref(),
+            Some("Error, exit 137")
+        );
+        let long = format!("Error: {}", "x".repeat(1000));
         let quoted = termination(&terminated(1, Some(&long))).unwrap_or_default();
         assert!(quoted.chars().count() < 320, "{quoted}");
     }
