@@ -362,7 +362,10 @@ mod tests {
             .as_deref(),
             Some("engine arguments rejected: error: unexpected argument '--rank' found")
         );
-        assert_eq!(termination(&terminated(1, None)).as_deref(), Some("Error, exit 1"));
+        assert_eq!(
+            termination(&terminated(1, None)).as_deref(),
+            Some("Error, exit 1")
+        );
         // A killed engine's message is its last log line: named by the exit code instead.
         assert_eq!(
             termination(&terminated(
