@@ -12,7 +12,8 @@
 //! - [`plan`](mod@plan): objects, scale-in, group restarts, status and events.
 //! - [`conditions`]: condition merging and transition detection.
 //! - [`observed`]: the plain-data view of the cluster `plan` reads.
-//! - [`nodes`]: node changes (readiness, labels, deletion) that reconcile everything.
+//! - [`nodes`]: node changes (readiness, labels, taints, deletion) that reconcile everything.
+//! - [`placement`]: which domains the pods can run in, and which group to move back.
 //! - [`rollout`]: canary rollouts (pure state machine, burn-rate analysis, metrics sources).
 
 pub mod conditions;
@@ -23,6 +24,7 @@ pub mod leader;
 pub mod metrics;
 pub mod nodes;
 pub mod observed;
+pub mod placement;
 pub mod plan;
 pub mod pod;
 pub mod reconcile;

@@ -7,8 +7,8 @@
 //! happened to change.
 //!
 //! Nodes change for many reasons that do not matter here (heartbeats, images,
-//! allocatable), so [`NodeChanges`] remembers each node as `plan` sees it (its labels
-//! and Ready, [`ObservedNode`]) and fires only when that view changes. A relist
+//! allocatable), so [`NodeChanges`] remembers each node as `plan` sees it (its labels,
+//! Ready, cordon and taints, [`ObservedNode`]) and fires only when that view changes. A relist
 //! (watch restart) is compared as a whole, so it fires once if anything moved while
 //! the watch was down, and not at all otherwise.
 
@@ -100,6 +100,7 @@ mod tests {
         ObservedNode {
             labels: [("topology.kubernetes.io/zone".to_owned(), zone.to_owned())].into(),
             ready,
+            ..ObservedNode::default()
         }
     }
 

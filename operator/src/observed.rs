@@ -62,6 +62,10 @@ pub enum Phase {
 #[serde(rename_all = "camelCase")]
 pub struct ObservedPod {
     pub name: String,
+    /// `metadata.uid`: who the pod is. Names are reused when a group is recreated, so
+    /// anything remembered about a pod across reconciles is keyed by this.
+    #[serde(default)]
+    pub uid: Option<String>,
     pub group: u32,
     pub rank: u32,
     /// `slipway.dev/template-hash`; `None` (no annotation) counts as outdated.
@@ -96,6 +100,21 @@ pub struct ObservedNode {
     /// The node's `Ready` condition.
     #[serde(default)]
     pub ready: bool,
+    /// Cordoned (`spec.unschedulable`): no new pod lands there.
+    #[serde(default)]
+    pub unschedulable: bool,
+    /// The node's taints; which of them keep our pods off is [`crate::placement`]'s call.
+    #[serde(default)]
+    pub taints: Vec<NodeTaint>,
+}
+
+/// One node taint, as the scheduler matches it against tolerations.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct NodeTaint {
+    pub key: String,
+    #[serde(default)]
+    pub value: Option<String>,
+    pub effect: String,
 }
 
 /// A group's restart record, kept in annotations of its headless Service because
@@ -150,6 +169,7 @@ pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
         .or_else(|| status.and_then(|s| s.reason.clone()));
     Some(ObservedPod {
         name: meta.name.clone()?,
+        uid: meta.uid.clone(),
         group: number(labels::GROUP)?,
         rank: number(labels::RANK)?,
         template_hash: meta
@@ -227,8 +247,20 @@ pub fn group_from(service: &Service) -> Option<GroupRecord> {
 
 /// Converts a node.
 pub fn node_from(node: &Node) -> ObservedNode {
+    let spec = node.spec.as_ref();
     ObservedNode {
         labels: node.metadata.labels.clone().unwrap_or_default(),
+        unschedulable: spec.and_then(|s| s.unschedulable).unwrap_or(false),
+        taints: spec
+            .and_then(|s| s.taints.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|t| NodeTaint {
+                key: t.key.clone(),
+                value: t.value.clone(),
+                effect: t.effect.clone(),
+            })
+            .collect(),
         ready: node
             .status
             .as_ref()

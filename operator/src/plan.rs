@@ -10,13 +10,18 @@
 //! Group lifecycle, per index `g < desired`:
 //! - no pods → create them all (`Starting`);
 //! - a pod with another template hash → delete the group, recreate it (`Replacing`);
-//! - a pod failed, is missing, or is being deleted while its peers live → the group
-//!   is broken. It is recreated whole after a backoff (10 s doubling, capped at 5 min)
+//! - a pod failed, is missing, is on a NotReady node, or is being deleted while its
+//!   peers live → the group is broken. Pods on a NotReady node are force-deleted (their
+//!   kubelet cannot drain them), so the group is recreated on the nodes that remain. It is recreated whole after a backoff (10 s doubling, capped at 5 min)
 //!   and at most [`MAX_GROUP_RESTARTS`] times; after that it is `Held`: left as it is,
 //!   reported in `Degraded`, and counted as lost capacity. The count resets after the
 //!   group has run ready for [`RESTART_RESET`], when the spec changes the group's
 //!   pods (a new template is a new chance), or when the group's Service is deleted.
 //! - only terminating pods → wait until they are gone (names are reused).
+//!
+//! When every group is ready and nothing else is in motion but one domain holds so
+//! many groups that losing it is not survivable, one group is drained and recreated so
+//! the scheduler's spread puts it in an emptier domain ([`crate::placement`]).
 //!
 //! Invariants: `plan` never writes the spec; it applies pods only for ranks that do
 //! not exist (pod specs are immutable; changes go through recreation); an unchanged
@@ -45,6 +50,7 @@ use crate::conditions::{self, Change, Computed};
 use crate::groups::{GroupShape, group_shape};
 use crate::labels;
 use crate::observed::{GroupRecord, Observed, ObservedNode, ObservedPod, Phase};
+use crate::placement;
 use crate::pod::{ModelStaging, render, serve_args};
 use crate::rollout;
 
@@ -64,6 +70,10 @@ pub struct Plan {
     pub apply: Vec<Child>,
     /// Children to delete (draining happens through the pods' preStop and grace).
     pub delete: Vec<ChildRef>,
+    /// Pods on NotReady nodes, deleted with no grace period: their kubelet can neither
+    /// drain them nor confirm they stopped, so a plain delete would leave them
+    /// Terminating for good, holding the names their recreated groups need.
+    pub force_delete_pods: Vec<String>,
     /// The status to write through the status subresource.
     pub status: InferenceServiceStatus,
     /// Events for transitions; empty when nothing changed.
@@ -327,7 +337,16 @@ fn plan_valid(
     let mut broken: Vec<String> = Vec::new();
     let mut held: Vec<String> = Vec::new();
     let mut groups_per_domain: BTreeMap<String, u32> = BTreeMap::new();
+    // Where each ready group's leader runs (for rebalancing).
+    let mut group_domains: BTreeMap<u32, String> = BTreeMap::new();
     let domain_key = &ctx.spec.capacity.fault_domain.topology_key;
+    // A pod whose node is NotReady is lost: it serves nobody and cannot be drained.
+    let on_lost_node = |pod: &ObservedPod| {
+        pod.node
+            .as_ref()
+            .and_then(|node| observed.nodes.get(node))
+            .is_some_and(|node| !node.ready)
+    };
 
     // Rollout: which release each group index runs.
     let world = ctx.shape.pods.len();
@@ -456,6 +475,7 @@ fn plan_valid(
             .iter()
             .find(|p| matches!(p.phase, Phase::Failed | Phase::Succeeded));
         let missing = !live.is_empty() && live.len() < world;
+        let lost = live.iter().find(|p| on_lost_node(p));
         let delete_live = |delete: &mut BTreeSet<ChildRef>| {
             for pod in &live {
                 delete.insert(ChildRef {
@@ -474,16 +494,21 @@ fn plan_valid(
                 last_restart: None,
             };
             GroupState::Replacing
-        } else if failed.is_some() || missing {
-            let why = match failed {
-                Some(pod) => format!(
+        } else if failed.is_some() || missing || lost.is_some() {
+            let why = match (failed, lost) {
+                (Some(pod), _) => format!(
                     "pod {} {}",
                     pod.name,
                     pod.problem
                         .as_deref()
                         .map_or_else(|| "failed".to_owned(), |p| format!("failed ({p})"))
                 ),
-                None => format!("{} of its {world} pods are gone", world - live.len()),
+                (None, Some(pod)) => format!(
+                    "pod {} is on node {}, which is not Ready",
+                    pod.name,
+                    pod.node.as_deref().unwrap_or_default()
+                ),
+                (None, None) => format!("{} of its {world} pods are gone", world - live.len()),
             };
             if record.restarts >= MAX_GROUP_RESTARTS {
                 held.push(format!("group {group} ({why})"));
@@ -550,7 +575,8 @@ fn plan_valid(
                 .and_then(|p| observed.nodes.get(p.node.as_deref().unwrap_or_default()))
                 .and_then(|node| node.labels.get(domain_key).cloned())
                 .unwrap_or_else(|| format!("(nodes without {domain_key})"));
-            *groups_per_domain.entry(leader_domain).or_default() += 1;
+            *groups_per_domain.entry(leader_domain.clone()).or_default() += 1;
+            group_domains.insert(group, leader_domain);
             if record.restarts > 0 && since(record.last_restart.as_ref(), now) >= RESTART_RESET {
                 record = GroupRecord {
                     group,
@@ -566,6 +592,63 @@ fn plan_valid(
         }
         group_services.push(group_service(ctx, &record));
     }
+
+    let scaling_in = observed
+        .pods
+        .iter()
+        .any(|p| !assignment.contains_key(&p.group));
+    let lost = lost_domains(&observed.nodes, domain_key);
+    // Groups crowded into one domain (after a domain came back, or rollout churn) are
+    // moved one at a time, and only when everything else is settled and the rest still
+    // carry peak demand: the move drains a group like a scale-in does.
+    let settled = decision.canary.is_none()
+        && previous.canary_release.is_none()
+        && busy == 0
+        && broken.is_empty()
+        && held.is_empty()
+        && !scaling_in
+        && lost.is_empty()
+        && observed.pods.iter().all(|p| !p.terminating);
+    let rebalance = (settled
+        && ready_groups == desired
+        && ready_groups > capacity.healthy_needed
+        && !worst_domain_loss(&groups_per_domain, capacity.healthy_needed).tolerant)
+        .then(|| {
+            let overrides = ctx.spec.pod_template.clone().unwrap_or_default();
+            placement::group_to_move(
+                &group_domains,
+                &placement::eligible_domains(&observed.nodes, domain_key, &overrides),
+            )
+        })
+        .flatten();
+    let rebalancing = rebalance.map(|m| {
+        for pod in observed
+            .pods
+            .iter()
+            .filter(|p| p.group == m.group && !p.terminating)
+        {
+            delete.insert(ChildRef {
+                kind: ChildKind::Pod,
+                name: pod.name.clone(),
+            });
+        }
+        let note = format!(
+            "moving group {} out of {domain_key}={} ({} of {ready_groups} ready groups; losing it would leave {}, {} needed) so the spread places it in {domain_key}={} ({} groups)",
+            m.group,
+            m.from,
+            m.from_groups,
+            ready_groups - m.from_groups,
+            capacity.healthy_needed,
+            m.to,
+            m.to_groups
+        );
+        events.push(PlannedEvent {
+            type_: EventType::Normal,
+            reason: "Rebalancing",
+            note: note.clone(),
+        });
+        note
+    });
 
     // Scale-in and leftovers: everything beyond `desired`, highest index first.
     let mut orphans: Vec<&ObservedPod> = observed
@@ -652,10 +735,6 @@ fn plan_valid(
         },
         format!("{ready_groups} of {desired} groups ready; {needed} needed to carry peak demand"),
     )];
-    let scaling_in = observed
-        .pods
-        .iter()
-        .any(|p| !assignment.contains_key(&p.group));
     computed.push(if let Some(progress) = &decision.progress {
         Computed::new(
             condition::PROGRESSING,
@@ -663,6 +742,8 @@ fn plan_valid(
             "CanaryRollout",
             progress.clone(),
         )
+    } else if let Some(note) = &rebalancing {
+        Computed::new(condition::PROGRESSING, true, "Rebalancing", note.clone())
     } else if busy > 0 || scaling_in {
         Computed::new(
             condition::PROGRESSING,
@@ -711,7 +792,7 @@ fn plan_valid(
     });
     computed.push(fault_tolerance(
         &groups_per_domain,
-        &lost_domains(&observed.nodes, domain_key),
+        &lost,
         capacity,
         domain_key,
     ));
@@ -758,9 +839,23 @@ fn plan_valid(
         last_rollback: decision.state.last_rollback.clone(),
         failed_releases: decision.state.failed_releases.clone(),
     };
+    // Pods on NotReady nodes (being deleted by anyone, or by this plan) go without a
+    // grace period. Engines keep no state two copies could corrupt, and the kubelet
+    // stops the old process when it comes back.
+    let mut force_delete_pods = Vec::new();
+    for pod in observed.pods.iter().filter(|p| on_lost_node(p)) {
+        let this_plan = delete.remove(&ChildRef {
+            kind: ChildKind::Pod,
+            name: pod.name.clone(),
+        });
+        if this_plan || pod.terminating {
+            force_delete_pods.push(pod.name.clone());
+        }
+    }
     Plan {
         apply,
         delete: delete.into_iter().collect(),
+        force_delete_pods,
         status,
         events,
         requeue_after: requeue,
@@ -888,6 +983,7 @@ fn invalid(previous: &InferenceServiceStatus, generation: i64, now: &Time, reaso
     Plan {
         apply: Vec::new(),
         delete: Vec::new(),
+        force_delete_pods: Vec::new(),
         status: InferenceServiceStatus {
             observed_generation: Some(generation),
             conditions: conditions::merge(&previous.conditions, &[computed], generation, now),

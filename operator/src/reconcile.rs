@@ -229,6 +229,7 @@ async fn read_rollout_metrics(
         .filter_map(|p| {
             Some(rollout::source::Target {
                 pod: p.name.clone(),
+                uid: p.uid.clone()?,
                 ip: p.ip.clone()?,
                 release: p.release.clone(),
             })
@@ -411,6 +412,26 @@ async fn delete(client: &Client, namespace: &str, plan: &Plan) -> Result<(), Err
                 return Err(Error::Delete {
                     kind,
                     name: child.name.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    let force = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    for name in &plan.force_delete_pods {
+        match Api::<Pod>::namespaced(client.clone(), namespace)
+            .delete(name, &force)
+            .await
+        {
+            Ok(_) => info!(pod = %name, "force-deleted a pod on a NotReady node"),
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Delete {
+                    kind: "Pod",
+                    name: name.clone(),
                     source,
                 });
             }

@@ -53,6 +53,8 @@ struct Expect {
     apply_pods: Option<Vec<String>>,
     /// Exactly these deletions, as "Kind/name".
     deletes: Option<Vec<String>>,
+    /// Exactly these pods force-deleted (no grace period: their node is NotReady).
+    force_deletes: Option<Vec<String>>,
     #[serde(default)]
     conditions: Vec<ExpectCondition>,
     /// Exactly these event reasons, in order.
@@ -109,6 +111,7 @@ fn load(path: &Path) -> Result<(Fixture, InferenceService, Observed), String> {
                         ),
                     ]),
                     ready: !fixture.not_ready_nodes.contains(node),
+                    ..ObservedNode::default()
                 },
             );
         }
@@ -225,6 +228,15 @@ fn check(fixture: &Fixture, isvc: &InferenceService, plan: &Plan) -> Result<(), 
         got.sort();
         if want != got {
             fail(format!("deletes: expected {want:?}, got {got:?}"));
+        }
+    }
+    if let Some(want) = &expect.force_deletes {
+        let mut want = want.clone();
+        want.sort();
+        let mut got = plan.force_delete_pods.clone();
+        got.sort();
+        if want != got {
+            fail(format!("force deletes: expected {want:?}, got {got:?}"));
         }
     }
     for want in &expect.conditions {

@@ -215,6 +215,7 @@ fn run(path: &Path) -> Result<(), String> {
                     "a".to_owned(),
                 )]),
                 ready: true,
+                ..ObservedNode::default()
             },
         )]);
         observed.serving_pods = sim
@@ -373,6 +374,8 @@ fn status_desired_without_surge(_status: &InferenceServiceStatus, isvc: &Inferen
 
 /// Plays the plan onto the simulated cluster.
 fn apply(sim: &mut Sim, plan: &Plan) {
+    sim.pods
+        .retain(|p| !plan.force_delete_pods.contains(&p.name));
     for child in &plan.delete {
         match child.kind {
             ChildKind::Pod => sim.pods.retain(|p| p.name != child.name),
@@ -392,6 +395,7 @@ fn apply(sim: &mut Sim, plan: &Plan) {
                 let name = meta.name.clone().unwrap_or_default();
                 sim.pods.retain(|p| p.name != name);
                 sim.pods.push(ObservedPod {
+                    uid: Some(format!("{name}-{}", sim.pods.len())),
                     name,
                     group: number(labels::GROUP),
                     rank: number(labels::RANK),

@@ -82,11 +82,13 @@ async fn scrape_reads_real_engines_and_a_slow_canary_burns_its_budget() {
     let targets = [
         Target {
             pod: "svc-g0-r0".to_owned(),
+            uid: "uid-g0".to_owned(),
             ip: "10.0.0.1".to_owned(),
             release: "stable0001".to_owned(),
         },
         Target {
             pod: "svc-g1-r0".to_owned(),
+            uid: "uid-g1".to_owned(),
             ip: "10.0.0.2".to_owned(),
             release: "canary0001".to_owned(),
         },
@@ -156,6 +158,7 @@ async fn an_unreachable_pod_makes_the_reading_inconclusive() {
     )]));
     let targets = [Target {
         pod: "svc-g1-r0".to_owned(),
+        uid: "uid-g1".to_owned(),
         ip: "10.0.0.9".to_owned(),
         release: "canary0001".to_owned(),
     }];
@@ -179,4 +182,48 @@ async fn an_unreachable_pod_makes_the_reading_inconclusive() {
         judge(&thresholds, &reading, 1, 1),
         Verdict::Inconclusive { .. }
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_canary_reusing_a_pod_name_is_read_from_its_own_pod() {
+    // After a rollback the next canary's group gets the same index, so its pod has the
+    // rolled-back canary's name; it is another pod (UID) of another release.
+    let old = start_engine("canary0001", &[]);
+    let new = start_engine("canary0002", &[]);
+    let reader = Reader::with_address_map(HashMap::from([
+        ("10.0.0.2".to_owned(), old.address().to_owned()),
+        ("10.0.0.3".to_owned(), new.address().to_owned()),
+    ]));
+    let pod = |uid: &str, ip: &str, release: &str| Target {
+        pod: "svc-g2-r0".to_owned(),
+        uid: uid.to_owned(),
+        ip: ip.to_owned(),
+        release: release.to_owned(),
+    };
+    let spec = analysis();
+    let first = [pod("uid-1", "10.0.0.2", "canary0001")];
+    let reading = reader
+        .read("ml/svc", &spec, "canary0001", "stable0001", &first)
+        .await;
+    assert_eq!(reading.error, None);
+    assert!(reading.canary.is_some(), "{reading:?}");
+
+    let next = [pod("uid-2", "10.0.0.3", "canary0002")];
+    let before = reader
+        .read("ml/svc", &spec, "canary0002", "stable0001", &next)
+        .await;
+    assert_eq!(before.error, None);
+    let http = reqwest::Client::new();
+    for _ in 0..REQUESTS {
+        complete(&http, new.address()).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let reading = reader
+        .read("ml/svc", &spec, "canary0002", "stable0001", &next)
+        .await;
+    let canary = reading
+        .canary
+        .unwrap_or_else(|| panic!("the new canary has samples: {reading:?}"));
+    assert_eq!(canary.long.eligible, REQUESTS as f64, "{reading:?}");
+    assert!(!canary.long.partial, "seen from zero: {reading:?}");
 }

@@ -50,20 +50,6 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
     ]
 }
 
-/// Tests that fail today on operator bugs this harness found (issue 14 stays open until
-/// they pass). They are marked ignored, loudly, rather than hidden: each run prints why,
-/// and `cargo test -p slipway-e2e --test real_nodes_e2e -- --ignored` runs them.
-const KNOWN_OPERATOR_BUGS: [(&str, &str); 2] = [
-    (
-        "operator::a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted",
-        "after a rollback, the next canary reusing a pod name stays Inconclusive (\"no samples of the canary yet\"): scrape state carried over in rollout/source.rs",
-    ),
-    (
-        "operator::a_stopped_kubelet_loses_its_zone_and_recovers",
-        "plan does not treat a pod on a NotReady node as broken, so its group is never recreated on surviving capacity",
-    ),
-];
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -107,10 +93,6 @@ fn main() -> ExitCode {
                 name,
                 cluster: Arc::clone(&cluster),
             });
-            let known_bug = KNOWN_OPERATOR_BUGS.iter().find(|(bug, _)| *bug == name);
-            if let Some((_, why)) = known_bug {
-                eprintln!("KNOWN OPERATOR BUG, marked ignored: {name}: {why}");
-            }
             Trial::test(name, move || {
                 let runtime = tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)
@@ -121,7 +103,6 @@ fn main() -> ExitCode {
                     .block_on(test(env))
                     .map_err(|error| Failed::from(format!("{error:#}")))
             })
-            .with_ignored_flag(known_bug.is_some())
         })
         .collect();
     let conclusion = libtest_mimic::run(&arguments, trials);

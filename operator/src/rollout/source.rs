@@ -155,7 +155,7 @@ impl SampleStore {
         }
     }
 
-    /// Records one scrape of one pod.
+    /// Records one scrape of one pod; `pod` is its identity (UID), not its name.
     pub fn record(&mut self, t: f64, pod: &str, release: &str, counters: Counters) {
         let series = self
             .pods
@@ -284,6 +284,10 @@ pub fn parse_query_response(body: &str) -> Result<f64, String> {
 #[derive(Debug, Clone)]
 pub struct Target {
     pub pod: String,
+    /// The pod's UID: its samples are kept under it, because a recreated group reuses
+    /// pod names, and a canary pod named like the rolled-back one before it is a new
+    /// pod of another release.
+    pub uid: String,
     pub ip: String,
     pub release: String,
 }
@@ -479,7 +483,7 @@ impl Reader {
         for (target, counters) in scraped {
             entry
                 .store
-                .record(t, &target.pod, &target.release, counters);
+                .record(t, &target.uid, &target.release, counters);
         }
         entry.store.prune(t, long.as_secs_f64());
         let windows = |release: &str| {
@@ -580,6 +584,22 @@ slipway_requests_slo_met_created{model="smol",release="abc"} 1.7e9
         assert!(!w.partial, "the window now starts after the store did");
         // From the last sample at or before the window's start (t=100).
         assert_eq!((w.good, w.eligible), (60.0, 80.0));
+    }
+
+    #[test]
+    fn a_reused_pod_name_of_another_release_is_a_new_pod() {
+        // The rolled-back canary's pod and the next canary's pod share a name but not
+        // a UID: the new release is seen from its own pod's first scrape.
+        let mut store = SampleStore::new(0.0);
+        store.record(0.0, "uid-old", "bad", c(0.0, 0.0));
+        store.record(10.0, "uid-old", "bad", c(1.0, 5.0));
+        store.record(20.0, "uid-new", "good", c(0.0, 0.0));
+        store.record(30.0, "uid-new", "good", c(40.0, 40.0));
+        assert!(store.has("good"));
+        let w = store.window("good", 30.0, 60.0);
+        assert_eq!((w.good, w.eligible, w.partial), (40.0, 40.0, false));
+        let w = store.window("bad", 30.0, 60.0);
+        assert_eq!((w.good, w.eligible), (1.0, 5.0));
     }
 
     #[test]
