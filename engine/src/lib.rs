@@ -1,8 +1,14 @@
 //! The Slipway inference engine: GGUF model, tokenizer, scheduler, paged KV cache,
 //! CPU and CUDA backends, and the OpenAI-compatible HTTP server.
 //!
-//! This crate is intentionally nearly empty: the model core arrives with the engine
-//! core issue, serving with the serving issue.
+//! - [`model`]: the GGUF reader and the forward pass; [`backend`] and [`kernels`]: CPU
+//!   and CUDA compute; [`tokenizer`], [`template`] and [`sampling`]: text in and out.
+//! - [`kv`]: paged key/value storage; [`serving`]: the engine actor (scheduler, block
+//!   manager, prefix cache, admission) and its HTTP API.
+//! - [`generate`]: single-sequence generation and scoring (CLI, oracle tests);
+//!   [`bench`]: `make bench-model`'s throughput shapes, beside llama.cpp's.
+//! - [`fetch`]: staging a model file (the pod's init container); [`testing`]: helpers
+//!   the tests of this and other crates share.
 
 pub mod backend;
 pub mod bench;

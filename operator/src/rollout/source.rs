@@ -22,9 +22,8 @@
 //! crate parses the exposition format (prometheus-client only writes it), and these
 //! lines are simple: `name{label="value",...} number [timestamp]`.
 //!
-//! Test-only: `SLIPWAY_TEST_SCRAPE_ADDRESS_MAP="<pod ip>=<host:port>,..."` makes the
-//! scrape go to another address for a pod IP. The e2e tests use it because KWOK pods
-//! run no processes: their engines run on 127.0.0.1 ports.
+//! Tests that run engines on 127.0.0.1 ports instead of pods build the reader with
+//! [`Reader::with_address_map`]; the operator binary has no way to redirect a scrape.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
@@ -46,8 +45,6 @@ pub fn eligible_outcomes() -> impl Iterator<Item = &'static str> {
         .filter(|o| o.is_slo_eligible())
         .map(Outcome::as_str)
 }
-/// Env var of the test-only pod-IP → address map.
-pub const ADDRESS_MAP_ENV: &str = "SLIPWAY_TEST_SCRAPE_ADDRESS_MAP";
 /// Timeout of one scrape or query.
 pub const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -314,16 +311,9 @@ impl Default for Reader {
 }
 
 impl Reader {
-    /// A reader; the test-only address map comes from [`ADDRESS_MAP_ENV`].
+    /// A reader that scrapes each pod at `<pod IP>:8000`.
     pub fn new() -> Self {
-        Self::with_address_map(
-            std::env::var(ADDRESS_MAP_ENV)
-                .unwrap_or_default()
-                .split(',')
-                .filter_map(|pair| pair.split_once('='))
-                .map(|(ip, addr)| (ip.trim().to_owned(), addr.trim().to_owned()))
-                .collect(),
-        )
+        Self::with_address_map(HashMap::new())
     }
 
     /// A reader that scrapes `address_map[pod IP]` instead of `<pod IP>:8000` for the
