@@ -150,9 +150,10 @@ fn attend_body<const BS: usize, const HD: usize>(
 /// [`attend_impl`] compiled for the best instruction set available.
 pub fn attend(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if super::Isa::detect() == super::Isa::Avx512Vnni {
-        super::avx512::attend(query, scores, out);
-        return;
+    match super::Isa::detect() {
+        super::Isa::Avx512Vnni => return super::avx512::attend(query, scores, out),
+        super::Isa::Avx2 => return super::avx2::attend(query, scores, out),
+        super::Isa::Scalar => {}
     }
     attend_impl(query, scores, out);
 }

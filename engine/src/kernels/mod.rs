@@ -1,5 +1,6 @@
 //! CPU compute kernels: ggml block formats, repacked integer matrix products with
-//! 8-bit activations (AVX-512 VNNI with a portable fallback, chosen at run time), and
+//! 8-bit activations (AVX-512 VNNI, else AVX2, else a portable fallback, chosen at run
+//! time), and
 //! the float helpers of the forward pass.
 //!
 //! Invariant: every product path computes the same integer block sums as the scalar
@@ -7,6 +8,8 @@
 //! difference to the exact product is the activation rounding ggml also does.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod ops;
@@ -37,6 +40,8 @@ pub enum KernelError {
 pub enum Isa {
     /// Portable Rust.
     Scalar,
+    /// AVX2 with FMA and F16C (`vpmaddubsw` + `vpmaddwd`).
+    Avx2,
     /// AVX-512 with VNNI (`vpdpbusd`).
     Avx512Vnni,
 }
@@ -46,8 +51,13 @@ impl Isa {
     #[must_use]
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if avx512::available() {
-            return Self::Avx512Vnni;
+        {
+            if avx512::available() {
+                return Self::Avx512Vnni;
+            }
+            if avx2::available() {
+                return Self::Avx2;
+            }
         }
         Self::Scalar
     }
@@ -56,8 +66,14 @@ impl Isa {
     #[must_use]
     pub fn all_available() -> Vec<Self> {
         let mut v = vec![Self::Scalar];
-        if Self::detect() == Self::Avx512Vnni {
-            v.push(Self::Avx512Vnni);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::available() {
+                v.push(Self::Avx2);
+            }
+            if avx512::available() {
+                v.push(Self::Avx512Vnni);
+            }
         }
         v
     }
@@ -67,6 +83,8 @@ fn group_kernel(isa: Isa, w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => avx512::group(w, g, x, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::group(w, g, x, out),
         _ => scalar::group(w, g, x, out),
     }
 }

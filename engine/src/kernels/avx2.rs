@@ -1,0 +1,171 @@
+//! AVX2 integer kernel over the packed layout (see [`super::pack`]), for x86 CPUs
+//! without AVX-512 VNNI (AMD Zen 2/3, many cloud VMs). Without it those machines fall
+//! back to the scalar kernel, which is tens of times slower.
+//!
+//! AVX2 has no `vpdpbusd`, so each 4-byte dot product is `vpmaddubsw` (u8 × i8 into
+//! saturating i16 pairs) then `vpmaddwd` against ones (i16 pairs into i32), as ggml's
+//! AVX2 path does. The pairs cannot saturate: nibble weights are at most 15, and byte
+//! weights are re-centred to i8 and multiplied as `|w| · sign(x, w)`, so a pair is at
+//! most 2 · 128 · 127 < 2^15 (activations are clamped to ±127 when quantized). The
+//! re-centred byte product already equals `isum − 128 · qsum`, the correction the other
+//! kernels apply. Sixteen row lanes are two 8-lane halves. Callers must have checked
+//! [`available`] first.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m256, __m256i, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32, _mm256_and_si256,
+    _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16,
+    _mm256_maddubs_epi16, _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_epi16, _mm256_set1_epi32,
+    _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_sign_epi8, _mm256_srli_epi16,
+    _mm256_storeu_ps, _mm256_xor_si256,
+};
+
+use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
+use super::quant::QK;
+
+/// Whether this CPU runs the kernel.
+#[must_use]
+pub fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// Computes row group `g` of `w` times every activation row of `x` into
+/// `out[t * GROUP + lane]`.
+///
+/// # Panics
+/// When the shapes disagree, or when called on a CPU without the features
+/// [`available`] checks.
+pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
+    assert!(available(), "AVX2 kernel called on a CPU without it");
+    assert!(x.cols == w.cols() && out.len() >= x.n * GROUP && g < w.groups());
+    assert!(x.q.len() >= x.n * x.cols && x.d.len() >= x.n * w.nblocks());
+    assert!(x.s.len() == x.d.len() && x.qsum.len() == x.d.len());
+    let nibble = w.kind() == PackedKind::Nibble;
+    let mut t = 0;
+    while t < x.n {
+        let nt = (x.n - t).min(4);
+        let o = &mut out[t * GROUP..(t + nt) * GROUP];
+        // SAFETY: the features were checked above; shapes (group in range, activation
+        // rows t..t+nt within x, o holding nt*16 floats) were asserted above.
+        unsafe {
+            if nibble {
+                tile::<true>(w, g, x, t, nt, o);
+            } else {
+                tile::<false>(w, g, x, t, nt, o);
+            }
+        }
+        t += nt;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const NIBBLE: bool>(
+    w: &PackedMatrix,
+    g: usize,
+    x: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    let nb = w.nblocks();
+    let stride = w.stride();
+    let cols = x.cols;
+    let gdata = &w.data()[g * w.group_bytes()..][..w.group_bytes()];
+    // acc[t][half]: lanes 0..8 and 8..16 of activation row t0 + t.
+    let mut acc: [[__m256; 2]; 4] = [[_mm256_setzero_ps(); 2]; 4];
+    let mask = _mm256_set1_epi8(0x0f);
+    let recentre = _mm256_set1_epi8(i8::MIN);
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..nb {
+        let blk = &gdata[b * stride..][..stride];
+        let p = blk.as_ptr();
+        // wv[j][half]: columns 4j..4j+4 of lanes 8·half..8·half+8 (u8 for nibbles, i8
+        // re-centred for bytes).
+        let mut wv: [[__m256i; 2]; 8] = [[_mm256_setzero_si256(); 2]; 8];
+        for h in 0..2 {
+            if NIBBLE {
+                for i in 0..4 {
+                    // SAFETY: half h of chunk i of the 256 nibble bytes is within the
+                    // block (64 scale bytes + 4 · 64).
+                    let v = unsafe { _mm256_loadu_si256(p.add(64 + i * 64 + h * 32).cast()) };
+                    wv[i][h] = _mm256_and_si256(v, mask);
+                    wv[4 + i][h] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+                }
+            } else {
+                for (j, v) in wv.iter_mut().enumerate() {
+                    // SAFETY: half h of chunk j of the 512 byte quants is within the
+                    // block (64 scale bytes + 8 · 64).
+                    let raw = unsafe { _mm256_loadu_si256(p.add(64 + j * 64 + h * 32).cast()) };
+                    v[h] = _mm256_xor_si256(raw, recentre);
+                }
+            }
+        }
+        // SAFETY: the 64 scale bytes (16 f16 `d`, then 16 f16 `m`) start the block.
+        let (d, m) = unsafe {
+            (
+                [
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+                ],
+                [
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(32).cast())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(48).cast())),
+                ],
+            )
+        };
+        for (t, a) in acc.iter_mut().enumerate().take(nt) {
+            let row = t0 + t;
+            let xb = &x.q[row * cols + b * QK..][..QK];
+            let bi = row * nb + b;
+            for h in 0..2 {
+                let mut isum = _mm256_setzero_si256();
+                for (j, wj) in wv.iter().enumerate() {
+                    let xj = _mm256_set1_epi32(i32::from_le_bytes([
+                        xb[4 * j] as u8,
+                        xb[4 * j + 1] as u8,
+                        xb[4 * j + 2] as u8,
+                        xb[4 * j + 3] as u8,
+                    ]));
+                    let pairs = if NIBBLE {
+                        _mm256_maddubs_epi16(wj[h], xj)
+                    } else {
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(wj[h]), _mm256_sign_epi8(xj, wj[h]))
+                    };
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+                }
+                a[h] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(d[h], _mm256_set1_ps(x.d[bi])),
+                    _mm256_cvtepi32_ps(isum),
+                    a[h],
+                );
+                if NIBBLE {
+                    a[h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(x.s[bi]), a[h]);
+                }
+            }
+        }
+    }
+    for (t, a) in acc.iter().enumerate().take(nt) {
+        for (h, v) in a.iter().enumerate() {
+            let o = &mut out[t * GROUP + h * 8..][..8];
+            // SAFETY: o holds exactly 8 floats.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *v) };
+        }
+    }
+}
+
+/// [`super::attention::attend_impl`] compiled with AVX2 and FMA enabled.
+///
+/// # Panics
+/// When called on a CPU without the features [`available`] checks.
+pub fn attend(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    assert!(available(), "AVX2 attention called on a CPU without it");
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { attend_avx2(query, scores, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn attend_avx2(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    super::attention::attend_impl(query, scores, out);
+}
