@@ -699,7 +699,13 @@ pub async fn a_stopped_kubelet_loses_its_zone_and_recovers(env: Arc<Env>) -> any
             Duration::from_secs(60),
             |s| {
                 condition(s, "FaultTolerant")
-                    .filter(|c| c["message"].as_str().is_some_and(|m| m.contains(&zone)))
+                    // "…=<zone> has no Ready node": the worst-loss summary names a
+                    // zone even before any loss, so the zone alone would match at once.
+                    .filter(|c| {
+                        c["message"]
+                            .as_str()
+                            .is_some_and(|m| m.contains(&format!("={zone} has no Ready node")))
+                    })
                     .cloned()
             },
         )
