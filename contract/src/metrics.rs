@@ -8,6 +8,10 @@ pub const REQUESTS: &str = "slipway_requests";
 /// (exposed as `slipway_requests_slo_met_total`).
 pub const REQUESTS_SLO_MET: &str = "slipway_requests_slo_met";
 
+/// Counter of generated (output) tokens (exposed as `slipway_generation_tokens_total`):
+/// measured demand in tokens per second reads it.
+pub const GENERATION_TOKENS: &str = "slipway_generation_tokens";
+
 /// Label: the release bundle's short hash (`serve --release`).
 pub const RELEASE_LABEL: &str = "release";
 /// Label: the served model name (`serve --served-model-name`).
@@ -56,6 +60,13 @@ impl Outcome {
             Self::Cancelled => "cancelled",
             Self::Error => "error",
         }
+    }
+
+    /// Whether the engine refused the request before running it. A refused request is
+    /// still demand: the operator sizes capacity for it.
+    #[must_use]
+    pub fn is_rejection(self) -> bool {
+        matches!(self, Self::Rejected429 | Self::Rejected503)
     }
 
     /// Whether the request counts against the SLO's availability: the server either

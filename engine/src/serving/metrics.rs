@@ -48,7 +48,7 @@ use prometheus_client::registry::Registry;
 /// contract's type, which the operator's analysis reads.
 pub use slipway_contract::metrics::Outcome;
 use slipway_contract::metrics::{
-    MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET,
+    GENERATION_TOKENS, MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET,
 };
 
 /// Latency targets of the SLO (the CRD's `slo.ttft`/`slo.tpot` thresholds).
@@ -217,7 +217,7 @@ impl ServingMetrics {
             m.prompt_tokens.clone(),
         );
         r.register(
-            "slipway_generation_tokens",
+            GENERATION_TOKENS,
             "Generated tokens",
             m.generation_tokens.clone(),
         );
