@@ -126,7 +126,7 @@ kubectl patch --local -f "$root/manifests/samples/smollm2-cpu.yaml" --type merge
     "engine": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
                "args": ["--kv-blocks", "256"]}
   },
-  "capacity": {"peakDemand": 0.5, "replicaGoodput": 0.5,
+  "capacity": {"demand": {"static": 0.5}, "replicaGoodput": 0.5,
                "faultDomain": {"topologyKey": "topology.kubernetes.io/zone", "fLoss": 0.5}},
   "podTemplate": {"nodeSelector": {"slipway.dev/node-kind": "real"},
                   "tolerations": [{"key": "slipway.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]}

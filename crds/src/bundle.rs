@@ -107,7 +107,7 @@ release:
     - {name: beta, uri: /a/beta.gguf}
   kvNamespace: smollm2-v1
   engine: {image: "slipway/engine:0.1.0", args: ["--max-num-seqs", "64"]}
-capacity: {peakDemand: 10, replicaGoodput: 2}
+capacity: {demand: {static: 10}, replicaGoodput: 2}
 "#;
 
     fn spec(yaml: &str) -> InferenceServiceSpec {
@@ -130,7 +130,7 @@ capacity: {peakDemand: 10, replicaGoodput: 2}
     #[test]
     fn stable_across_spelling() {
         let reordered = r#"
-capacity: {replicaGoodput: 2, peakDemand: 10}
+capacity: {replicaGoodput: 2, demand: {static: 10}}
 release:
   engine: {args: ["--max-num-seqs", "64"], image: "slipway/engine:0.1.0", device: CUDA, maxOutputTokens: 1024}
   kvNamespace: smollm2-v1
@@ -151,7 +151,7 @@ release:
     fn unchanged_by_fields_outside_the_bundle() {
         let mut other = spec(BASE);
         other.rollout.steps[0].pause = Some("1h".to_owned());
-        other.capacity.peak_demand = 99.0;
+        other.capacity.demand = crate::spec::DemandSpec::fixed(99.0);
         other.drain.pre_stop_delay_seconds = 30;
         assert_eq!(
             bundle_hash(&spec(BASE).release),

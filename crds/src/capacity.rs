@@ -21,7 +21,7 @@ pub const RESOLUTION: u64 = 1000;
 pub enum CapacityError {
     #[error("replicaGoodput {0} is not positive at a resolution of 0.001")]
     GoodputNotPositive(f64),
-    #[error("peakDemand {0} must be a finite number ≥ 0")]
+    #[error("peak demand {0} must be a finite number ≥ 0")]
     DemandInvalid(f64),
     #[error("fLoss {0} must be at least 0 and less than 1 (at a resolution of 0.001)")]
     FLossOutOfRange(f64),
@@ -31,7 +31,8 @@ pub enum CapacityError {
     Overflow(&'static str),
 }
 
-/// The capacity fields of a spec, as plain numbers.
+/// The capacity fields of a spec, as plain numbers; `peak_demand` is `D_peak`, static
+/// or measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CapacityInput {
     pub peak_demand: f64,
@@ -41,10 +42,12 @@ pub struct CapacityInput {
     pub max_replicas: u32,
 }
 
-impl From<&crate::spec::CapacitySpec> for CapacityInput {
-    fn from(spec: &crate::spec::CapacitySpec) -> Self {
+impl CapacityInput {
+    /// The spec's numbers with `peak_demand` as the demand to size for.
+    #[must_use]
+    pub fn new(spec: &crate::spec::CapacitySpec, peak_demand: f64) -> Self {
         Self {
-            peak_demand: spec.peak_demand,
+            peak_demand,
             replica_goodput: spec.replica_goodput,
             f_loss: spec.fault_domain.f_loss,
             min_replicas: u32::try_from(spec.min_replicas).unwrap_or(0),
@@ -95,7 +98,7 @@ pub fn plan_capacity(input: &CapacityInput) -> Result<CapacityPlan, CapacityErro
     }
 
     let healthy_needed = u32::try_from(demand.div_ceil(goodput))
-        .map_err(|_| CapacityError::Overflow("peakDemand / replicaGoodput"))?;
+        .map_err(|_| CapacityError::Overflow("peak demand / replicaGoodput"))?;
     let surviving_share = RESOLUTION - f_loss;
     let fault_tolerant_target =
         u32::try_from((u64::from(healthy_needed) * RESOLUTION).div_ceil(surviving_share))

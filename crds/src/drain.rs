@@ -134,7 +134,7 @@ mod tests {
     #[test]
     fn reads_the_spec_defaults() {
         let spec: InferenceServiceSpec = serde_yaml::from_str(
-            "release: {model: {uri: /m.gguf}, engine: {image: e}}\ncapacity: {peakDemand: 1, replicaGoodput: 1}",
+            "release: {model: {uri: /m.gguf}, engine: {image: e}}\ncapacity: {demand: {static: 1}, replicaGoodput: 1}",
         )
         .unwrap();
         let budget = drain_budget(&DrainInput::from_spec(&spec).unwrap());

@@ -333,26 +333,29 @@ fn default_gpus_per_node() -> i32 {
 // capacity
 // ---------------------------------------------------------------------------------------
 
-/// How many groups to run: `N_healthy = ceil(peakDemand / replicaGoodput)` groups carry
-/// the peak; `N_provisioned = max(minReplicas, ceil(N_healthy / (1 − fLoss)))` groups
-/// run, capped at `maxReplicas`, so losing an `fLoss` share of them still leaves
-/// `N_healthy`. Numbers are read to a resolution of 0.001.
+/// How many groups to run: `N_healthy = ceil(D_peak / replicaGoodput)` groups carry
+/// the peak demand `D_peak`; `N_provisioned = max(minReplicas, ceil(N_healthy / (1 −
+/// fLoss)))` groups run, capped at `maxReplicas`, so losing an `fLoss` share of them
+/// still leaves `N_healthy`. `D_peak` is written by hand (`demand.static`) or measured
+/// from the traffic that arrives (`demand.measured`). Numbers are read to a resolution
+/// of 0.001.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("self.peakDemand > 0.0").message("peakDemand must be positive"),
     validation = Rule::new("self.replicaGoodput > 0.0").message("replicaGoodput must be positive"),
     validation = Rule::new("self.minReplicas <= self.maxReplicas").message("minReplicas must not exceed maxReplicas")
 )]
 pub struct CapacitySpec {
-    /// The peak demand to carry, in `demandUnit`s.
-    pub peak_demand: f64,
+    /// The demand to carry, in `demandUnit`s: a static peak, a measured one, or both
+    /// (measured, never sized below the static value).
+    pub demand: DemandSpec,
 
-    /// What one group sustains while meeting the SLO, in the same unit as peakDemand.
+    /// What one group sustains while meeting the SLO, in `demandUnit`s.
     /// Measure it with `slipway-bench sweep`, which prints this value.
     pub replica_goodput: f64,
 
-    /// The unit of peakDemand and replicaGoodput.
+    /// The unit of demand and replicaGoodput. Measured demand counts requests
+    /// (`RequestsPerSecond`) or generated tokens (`OutputTokensPerSecond`).
     #[serde(default)]
     pub demand_unit: DemandUnit,
 
@@ -372,6 +375,103 @@ pub struct CapacitySpec {
     pub max_replicas: i32,
 }
 
+/// Where `D_peak` comes from. `static` alone: a number written by hand. `measured`
+/// alone: the peak of the arrival rate the engines count. Both: measured, with
+/// `static` as its floor.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("has(self.static) || has(self.measured)").message("capacity.demand needs static, measured, or both (measured with static as its floor)"),
+    validation = Rule::new("!has(self.static) || self.static > 0.0").message("demand.static must be positive")
+)]
+pub struct DemandSpec {
+    /// The peak demand to carry, in `demandUnit`s. With `measured`: the floor, so
+    /// measured demand never sizes below it (e.g. a launch known in advance).
+    #[serde(default, rename = "static", skip_serializing_if = "Option::is_none")]
+    pub static_peak: Option<f64>,
+
+    /// Measure demand from the engines' request counters (rejected requests
+    /// included: they are demand too) and size for its recent peak.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured: Option<MeasuredDemand>,
+}
+
+impl DemandSpec {
+    /// A static demand only.
+    #[must_use]
+    pub fn fixed(peak: f64) -> Self {
+        Self {
+            static_peak: Some(peak),
+            measured: None,
+        }
+    }
+}
+
+/// How demand is measured and turned into a group count. The current rate is the
+/// arrival rate over `rateWindow`, read every quarter of it; `D_peak` is the highest
+/// current rate over `peakWindow`, plus `headroom`. More groups are asked for at once
+/// (ahead of a rising rate by the groups' measured cold start); fewer only after the
+/// need stayed lower for `scaleDownStabilization`, one group at a time, each drained
+/// before the next, and never during a rollout.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("duration(self.rateWindow) <= duration(self.peakWindow)").message("demand.measured.rateWindow must not be longer than peakWindow"),
+    validation = Rule::new("duration(self.rateWindow) >= duration('4s')").message("demand.measured.rateWindow must be at least 4s (it is read every quarter of it)")
+)]
+pub struct MeasuredDemand {
+    /// The window of the current arrival rate (e.g. "1m"). Shorter reacts faster to a
+    /// ramp and is noisier.
+    #[serde(default = "default_rate_window")]
+    #[schemars(length(max = 32), pattern(crate::duration::PATTERN))]
+    #[x_kube(validation = positive_duration("demand.measured.rateWindow"))]
+    pub rate_window: String,
+
+    /// The lookback over which the highest current rate is the peak (e.g. "15m").
+    #[serde(default = "default_peak_window")]
+    #[schemars(length(max = 32), pattern(crate::duration::PATTERN))]
+    #[x_kube(validation = positive_duration("demand.measured.peakWindow"))]
+    pub peak_window: String,
+
+    /// Extra demand to size for, as a fraction of the peak (0.1 = 10 % more).
+    #[serde(default = "default_headroom")]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub headroom: f64,
+
+    /// How long the demand must need fewer groups before one is removed.
+    #[serde(default = "default_scale_down_stabilization")]
+    #[schemars(length(max = 32), pattern(crate::duration::PATTERN))]
+    #[x_kube(validation = positive_duration("demand.measured.scaleDownStabilization"))]
+    pub scale_down_stabilization: String,
+}
+
+impl Default for MeasuredDemand {
+    fn default() -> Self {
+        Self {
+            rate_window: default_rate_window(),
+            peak_window: default_peak_window(),
+            headroom: default_headroom(),
+            scale_down_stabilization: default_scale_down_stabilization(),
+        }
+    }
+}
+
+fn default_rate_window() -> String {
+    "1m".to_owned()
+}
+
+fn default_peak_window() -> String {
+    "15m".to_owned()
+}
+
+fn default_headroom() -> f64 {
+    0.1
+}
+
+fn default_scale_down_stabilization() -> String {
+    "5m".to_owned()
+}
+
 fn default_max_replicas() -> i32 {
     100
 }
@@ -382,7 +482,8 @@ pub enum DemandUnit {
     /// Requests per second.
     #[default]
     RequestsPerSecond,
-    /// Generated (output) tokens per second.
+    /// Generated (output) tokens per second. Measured: the generated tokens, plus, for
+    /// each rejected request, the mean output of the requests that were served.
     OutputTokensPerSecond,
 }
 

@@ -19,6 +19,12 @@ pub mod condition {
     pub const FAULT_TOLERANT: &str = "FaultTolerant";
     /// The last rollout was rolled back; see `status.lastRollback`.
     pub const ROLLED_BACK: &str = "RolledBack";
+    /// The demand the group count is sized for is known: static, or measured from
+    /// fresh data. False while measured demand cannot be read; the last decision holds.
+    pub const DEMAND_KNOWN: &str = "DemandKnown";
+    /// Another autoscaler (a HorizontalPodAutoscaler or a KEDA ScaledObject) targets
+    /// this InferenceService. The operator alone sets group counts and ignores it.
+    pub const SCALER_CONFLICT: &str = "ScalerConflict";
 }
 
 /// What the operator observed and decided.
@@ -29,7 +35,8 @@ pub struct InferenceServiceStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// Standard conditions: Ready, Progressing, Degraded, FaultTolerant, RolledBack.
+    /// Standard conditions: Ready, Progressing, Degraded, FaultTolerant, RolledBack,
+    /// DemandKnown, ScalerConflict.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,
@@ -49,6 +56,11 @@ pub struct InferenceServiceStatus {
     /// Why the rollout is waiting, whenever it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout_hold: Option<RolloutHold>,
+
+    /// What the group count was sized from: the measured demand, the groups' cold
+    /// start, and a pending scale-down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityStatus>,
 
     /// The most recent automatic rollback.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -81,6 +93,39 @@ pub struct ReplicaCounts {
     /// Groups running the release in the spec.
     #[serde(default)]
     pub updated: i32,
+}
+
+/// What the group count was sized from.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct CapacityStatus {
+    /// The last reading of measured demand (`spec.capacity.demand.measured` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demand: Option<DemandStatus>,
+
+    /// Seconds from creating the most recently started group to all its pods being
+    /// ready: how far ahead a scale-up must be asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold_start_seconds: Option<i64>,
+
+    /// Since when the demand has needed fewer groups than run. A group is removed once
+    /// this is `scaleDownStabilization` old.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_down_pending_since: Option<Time>,
+}
+
+/// One reading of measured demand, in the spec's `demandUnit`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DemandStatus {
+    /// The arrival rate over `rateWindow`.
+    pub current: f64,
+    /// The highest current rate over `peakWindow` (`D_peak` before headroom).
+    pub peak: f64,
+    /// Where it was read: the engines' scrape or Prometheus.
+    pub source: String,
+    /// When it was read.
+    pub measured_at: Time,
 }
 
 /// The release being rolled out.

@@ -48,7 +48,8 @@ fn crd_carries_the_validation_rules_people_read() {
         "sha256 must be 64 lowercase hex characters",
         "kvNamespace must be a DNS label",
         "servedModelName must start with a letter or digit",
-        "peakDemand must be positive",
+        "demand.static must be positive",
+        "capacity.demand needs static, measured, or both",
         "replicaGoodput must be positive",
         "slo.availability must be between 0 and 1",
     ] {
@@ -126,7 +127,7 @@ fn valid() -> Value {
                 "kvNamespace": "m-v1",
                 "engine": {"image": "slipway/engine:0.1.0"}
             },
-            "capacity": {"peakDemand": 10, "replicaGoodput": 2}
+            "capacity": {"demand": {"static": 10}, "replicaGoodput": 2}
         }
     })
 }
@@ -171,8 +172,29 @@ fn invalid_objects_are_rejected_with_their_message() {
         ),
         (
             "demand 0",
-            with(&["spec", "capacity", "peakDemand"], json!(0)),
-            "peakDemand must be positive",
+            with(&["spec", "capacity", "demand", "static"], json!(0)),
+            "demand.static must be positive",
+        ),
+        (
+            "demand with no source",
+            with(&["spec", "capacity", "demand"], json!({})),
+            "capacity.demand needs static, measured, or both",
+        ),
+        (
+            "rate window longer than the peak window",
+            with(
+                &["spec", "capacity", "demand"],
+                json!({"measured": {"rateWindow": "10m", "peakWindow": "5m"}}),
+            ),
+            "demand.measured.rateWindow must not be longer than peakWindow",
+        ),
+        (
+            "rate window read too often",
+            with(
+                &["spec", "capacity", "demand"],
+                json!({"measured": {"rateWindow": "2s"}}),
+            ),
+            "demand.measured.rateWindow must be at least 4s",
         ),
         (
             "goodput < 0",

@@ -420,11 +420,11 @@ async fn cpu_sample_becomes_ready_spread_over_zones_and_scales(
     );
 
     // More demand adds groups; less removes the highest indices.
-    sample["spec"]["capacity"]["peakDemand"] = json!(3);
+    sample["spec"]["capacity"]["demand"] = json!({"static": 3});
     setup.apply(&sample).await?;
     setup.wait_ready("smollm2", 10).await?;
     setup.wait_pods(&pod_names("smollm2", 10, 1)).await?;
-    sample["spec"]["capacity"]["peakDemand"] = json!(0.5);
+    sample["spec"]["capacity"]["demand"] = json!({"static": 0.5});
     setup.apply(&sample).await?;
     setup.wait_ready("smollm2", 2).await?;
     setup.wait_pods(&pod_names("smollm2", 2, 1)).await?;
@@ -437,7 +437,7 @@ fn gpu_service(namespace: &str, name: &str, tensor: u32, pipeline: u32) -> anyho
     isvc["spec"]["release"]["engine"]["device"] = json!("CUDA");
     isvc["spec"]["release"]["engine"]["resources"] = json!({"requests": {"cpu": "1"}});
     isvc["spec"]["parallelism"] = json!({"tensor": tensor, "pipeline": pipeline, "gpusPerNode": 8});
-    isvc["spec"]["capacity"] = json!({"peakDemand": 1, "replicaGoodput": 1, "faultDomain": {"fLoss": 0}, "minReplicas": 1});
+    isvc["spec"]["capacity"] = json!({"demand": {"static": 1}, "replicaGoodput": 1, "faultDomain": {"fLoss": 0}, "minReplicas": 1});
     Ok(isvc)
 }
 
@@ -770,7 +770,7 @@ async fn only_the_leader_acts_and_a_standby_takes_over(env: Arc<Env>) -> anyhow:
         "failover took {took:?}, more than the lease duration ({LEASE_SECONDS}s) plus two retries"
     );
     // The new leader acts.
-    sample["spec"]["capacity"]["peakDemand"] = json!(0.5);
+    sample["spec"]["capacity"]["demand"] = json!({"static": 0.5});
     setup.apply(&sample).await?;
     setup.wait_ready("smollm2", 2).await?;
     ensure!(
@@ -786,7 +786,7 @@ async fn a_killed_operator_converges_without_duplicates(env: Arc<Env>) -> anyhow
     let setup = setup(&env).await?;
     let mut first = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
     let mut sample = cpu_sample(setup.ns())?;
-    sample["spec"]["capacity"]["peakDemand"] = json!(3);
+    sample["spec"]["capacity"]["demand"] = json!({"static": 3});
     setup.apply(&sample).await?;
     // Kill it as soon as it has started creating pods (mid-reconcile for 10 groups).
     let pods = setup.pods();
@@ -1100,7 +1100,7 @@ async fn losing_a_zone_is_reported_and_recovered(env: Arc<Env>) -> anyhow::Resul
     let mut isvc = gpu_service(setup.ns(), "zl", 8, 1)?;
     // N_healthy = ceil(2 / 1) = 2; N_provisioned = ceil(2 / (1 − 0.3)) = 3.
     isvc["spec"]["capacity"] = json!({
-        "peakDemand": 2, "replicaGoodput": 1, "minReplicas": 1,
+        "demand": {"static": 2}, "replicaGoodput": 1, "minReplicas": 1,
         "faultDomain": {"topologyKey": PRIVATE_ZONE, "fLoss": 0.3},
     });
     isvc["spec"]["podTemplate"] = nodes.pod_template();

@@ -15,8 +15,11 @@
 //! - [`nodes`]: node changes (readiness, labels, taints, deletion) that reconcile everything.
 //! - [`placement`]: which domains the pods can run in, and which group to move back.
 //! - [`rollout`]: canary rollouts (pure state machine, burn-rate analysis, metrics sources).
+//! - [`demand`]: measured demand (arrival rate and its peak) from the engines' counters.
+//! - [`scaling`]: how many healthy groups the demand needs, with hysteresis (pure).
 
 pub mod conditions;
+pub mod demand;
 pub mod error;
 pub mod groups;
 pub mod labels;
@@ -29,6 +32,7 @@ pub mod plan;
 pub mod pod;
 pub mod reconcile;
 pub mod rollout;
+pub mod scaling;
 
 pub use error::Error;
 pub use observed::Observed;

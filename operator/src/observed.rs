@@ -44,6 +44,12 @@ pub struct Observed {
     /// The rollout analysis reading, when a rollout is in progress.
     #[serde(default)]
     pub metrics: Option<crate::rollout::analysis::MetricsReading>,
+    /// The measured-demand reading (`capacity.demand.measured` only).
+    #[serde(default)]
+    pub demand: Option<crate::demand::DemandReading>,
+    /// Other autoscalers that target this InferenceService, as "Kind namespace/name".
+    #[serde(default)]
+    pub external_scalers: Vec<String>,
 }
 
 /// The pod phase, as far as groups care.
@@ -89,6 +95,12 @@ pub struct ObservedPod {
     /// `status.podIP`: where the `Scrape` metrics source reads `/metrics`.
     #[serde(default)]
     pub ip: Option<String>,
+    /// `metadata.creationTimestamp`.
+    #[serde(default)]
+    pub created: Option<Time>,
+    /// When its `Ready` condition last turned True (while it is True).
+    #[serde(default)]
+    pub ready_since: Option<Time>,
 }
 
 /// A node, as fault domains see it.
@@ -143,13 +155,14 @@ pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
         Some("Unknown") => Phase::Unknown,
         _ => Phase::Pending,
     };
-    let ready = status
+    let ready_condition = status
         .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|conditions| {
+        .and_then(|conditions| {
             conditions
                 .iter()
-                .any(|c| c.type_ == "Ready" && c.status == "True")
+                .find(|c| c.type_ == "Ready" && c.status == "True")
         });
+    let ready = ready_condition.is_some();
     let problem = status
         .and_then(|s| {
             s.init_container_statuses
@@ -183,6 +196,8 @@ pub fn pod_from(pod: &Pod) -> Option<ObservedPod> {
         terminating: meta.deletion_timestamp.is_some(),
         problem,
         ip: status.and_then(|s| s.pod_ip.clone()),
+        created: meta.creation_timestamp.clone(),
+        ready_since: ready_condition.and_then(|c| c.last_transition_time.clone()),
     })
 }
 

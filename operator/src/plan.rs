@@ -1,11 +1,12 @@
 //! `plan(isvc, observed, now) -> Plan`: every decision the operator makes, as a pure
 //! function of the object, what the cluster shows ([`Observed`]) and the time.
 //!
-//! Decisions: how many groups (capacity math from `slipway-api`), the shape of each
-//! group ([`crate::groups`]), the pods, Services and PodDisruptionBudget that should
-//! exist, which children to delete (scale-in removes the highest indices; outdated
-//! or broken groups are recreated whole), the status with its conditions, and the
-//! events a person would want to see.
+//! Decisions: how many groups ([`crate::scaling`]: static or measured demand, then the
+//! capacity math from `slipway-api`), the shape of each group ([`crate::groups`]), the
+//! pods, Services and PodDisruptionBudget that should exist, which children to delete
+//! (scale-in takes groups from the most crowded fault domain, [`rollout::assign`];
+//! outdated or broken groups are recreated whole), the status with its conditions, and
+//! the events a person would want to see.
 //!
 //! Group lifecycle, per index `g < desired`:
 //! - no pods → create them all (`Starting`);
@@ -40,10 +41,10 @@ use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
 use slipway_api::InferenceService;
 use slipway_api::bundle::bundle_hash;
-use slipway_api::capacity::{CapacityInput, CapacityPlan, plan_capacity, worst_domain_loss};
+use slipway_api::capacity::{CapacityPlan, worst_domain_loss};
 use slipway_api::drain::{DrainBudget, DrainInput, drain_budget};
 use slipway_api::spec::InferenceServiceSpec;
-use slipway_api::status::{InferenceServiceStatus, ReplicaCounts, condition};
+use slipway_api::status::{CapacityStatus, InferenceServiceStatus, ReplicaCounts, condition};
 use slipway_contract::ServeArgs;
 
 use crate::conditions::{self, Change, Computed};
@@ -53,6 +54,7 @@ use crate::observed::{GroupRecord, Observed, ObservedNode, ObservedPod, Phase};
 use crate::placement;
 use crate::pod::{ModelStaging, render, serve_args};
 use crate::rollout;
+use crate::scaling;
 
 /// Recreations of one group before it is held.
 pub const MAX_GROUP_RESTARTS: u32 = 5;
@@ -183,11 +185,33 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
             "the object has no name, namespace or uid".to_owned(),
         );
     };
+    // A rollout is running, or about to start (the spec names a new, untried bundle):
+    // no scale-down meanwhile.
+    let rolling = previous.canary_release.is_some()
+        || previous.stable_release.as_deref().is_some_and(|stable| {
+            stable != hash.short() && !previous.failed_releases.iter().any(|f| f == hash.short())
+        });
+    let cold_start = scaling::cold_start(&observed.pods).or_else(|| {
+        previous
+            .capacity
+            .as_ref()
+            .and_then(|c| c.cold_start_seconds)
+            .and_then(|s| u64::try_from(s).ok())
+            .map(Duration::from_secs)
+    });
     let checked = (|| -> Result<_, String> {
         labels::check_name(name)?;
         let shape = group_shape(&isvc.spec.parallelism).map_err(|e| format!("parallelism: {e}"))?;
-        let capacity = plan_capacity(&CapacityInput::from(&isvc.spec.capacity))
-            .map_err(|e| format!("capacity: {e}"))?;
+        let capacity = scaling::decide(&scaling::Input {
+            spec: &isvc.spec.capacity,
+            previous: &previous,
+            demand: observed.demand.as_ref(),
+            rolling,
+            settling: observed.pods.iter().any(|p| p.terminating || !p.ready),
+            cold_start,
+            now,
+        })
+        .map_err(|e| format!("capacity: {e}"))?;
         let drain =
             drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|e| format!("slo: {e}"))?);
         let model = ModelStaging::parse(
@@ -255,12 +279,21 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
             release: &stable,
             ctx: stable_ctx.as_ref(),
         },
-        &capacity,
+        &Sizing {
+            decision: &capacity,
+            cold_start,
+        },
         &previous,
         generation,
         observed,
         now,
     )
+}
+
+/// How many groups, and what the count was sized from.
+struct Sizing<'a> {
+    decision: &'a scaling::Decision,
+    cold_start: Option<Duration>,
 }
 
 /// The stable release and, when its bundle is known, how to render it.
@@ -318,16 +351,18 @@ fn release_context<'a>(
 fn plan_valid(
     ctx: &Context<'_>,
     stable: &Stable<'_, '_>,
-    capacity: &CapacityPlan,
+    sizing: &Sizing<'_>,
     previous: &InferenceServiceStatus,
     generation: i64,
     observed: &Observed,
     now: &Time,
 ) -> Plan {
+    let capacity = &sizing.decision.capacity;
     let mut apply = Vec::new();
     let mut delete = BTreeSet::new();
     let mut events = Vec::new();
     let mut requeue: Option<Duration>;
+    let domain_key = &ctx.spec.capacity.fault_domain.topology_key;
     let mut group_services = Vec::new();
 
     let mut ready_groups = 0;
@@ -339,7 +374,6 @@ fn plan_valid(
     let mut groups_per_domain: BTreeMap<String, u32> = BTreeMap::new();
     // Where each ready group's leader runs (for rebalancing).
     let mut group_domains: BTreeMap<u32, String> = BTreeMap::new();
-    let domain_key = &ctx.spec.capacity.fault_domain.topology_key;
     // A pod whose node is NotReady is lost: it serves nobody and cannot be drained.
     let on_lost_node = |pod: &ObservedPod| {
         pod.node
@@ -352,12 +386,23 @@ fn plan_valid(
     let world = ctx.shape.pods.len();
     let mut existing: BTreeMap<u32, String> = BTreeMap::new();
     let mut group_ready: BTreeMap<u32, bool> = BTreeMap::new();
+    // Where each live group's leader is placed: scale-in takes from crowded domains.
+    let mut placed: BTreeMap<u32, String> = BTreeMap::new();
     for pod in &observed.pods {
         if pod.terminating {
             continue;
         }
         if pod.rank == 0 || !existing.contains_key(&pod.group) {
             existing.insert(pod.group, pod.release.clone());
+        }
+        if pod.rank == 0
+            && let Some(domain) = pod
+                .node
+                .as_ref()
+                .and_then(|node| observed.nodes.get(node))
+                .and_then(|node| node.labels.get(domain_key))
+        {
+            placed.insert(pod.group, domain.clone());
         }
         let on_ready_node = pod
             .node
@@ -419,10 +464,13 @@ fn plan_valid(
     if let Some(canary) = &decision.canary {
         wants.push((canary.as_str(), decision.canary_target));
     }
-    let assignment = rollout::assign(&existing, &wants);
+    let assignment = rollout::assign(&existing, &wants, &placed);
     let desired = u32::try_from(assignment.len()).unwrap_or(u32::MAX);
     events.extend(decision.events.iter().cloned());
     requeue = decision.requeue_after;
+    if let Some(after) = sizing.decision.requeue_after {
+        requeue = Some(requeue.map_or(after, |r| r.min(after)));
+    }
 
     for (&group, release) in &assignment {
         let ctx = if *release == ctx.release {
@@ -650,7 +698,7 @@ fn plan_valid(
         note
     });
 
-    // Scale-in and leftovers: everything beyond `desired`, highest index first.
+    // Scale-in and leftovers: every group `assign` did not keep (chosen by domain there).
     let mut orphans: Vec<&ObservedPod> = observed
         .pods
         .iter()
@@ -799,6 +847,8 @@ fn plan_valid(
     if let Some(rolled_back) = rollout::rolled_back_condition(ctx.release, &decision.state) {
         computed.push(rolled_back);
     }
+    computed.push(sizing.decision.condition.clone());
+    computed.push(scaler_conflict(&observed.external_scalers));
 
     for new in &computed {
         let change = conditions::change(&previous.conditions, new);
@@ -806,21 +856,40 @@ fn plan_valid(
             events.push(event);
         }
     }
-    // During a rollout `desired` moves with the surge; the rollout events say why.
+    // During a rollout `desired` moves with the surge; the rollout events say why. A
+    // new healthy count is an event whenever it happens.
     let rolling = decision.canary.is_some() || previous.canary_release.is_some();
-    if !rolling && previous.replicas.desired != i32::try_from(desired).unwrap_or(i32::MAX) {
+    let healthy_changed = previous.observed_generation.is_some()
+        && previous.replicas.healthy_needed != i32::try_from(needed).unwrap_or(i32::MAX);
+    let desired_changed = previous.replicas.desired != i32::try_from(desired).unwrap_or(i32::MAX);
+    if (!rolling && desired_changed) || healthy_changed {
         events.insert(
             0,
             PlannedEvent {
                 type_: EventType::Normal,
                 reason: "Scaled",
                 note: format!(
-                    "desired groups {} → {desired} (peak demand needs {needed}, fault tolerance {})",
-                    previous.replicas.desired, capacity.fault_tolerant_target
+                    "healthy groups needed {} → {needed}, desired groups {} → {desired}: {}",
+                    previous.replicas.healthy_needed,
+                    previous.replicas.desired,
+                    sizing.decision.why
                 ),
             },
         );
     }
+    if let Some(note) = &sizing.decision.pending_note {
+        events.push(PlannedEvent {
+            type_: EventType::Normal,
+            reason: "ScaleDownPending",
+            note: note.clone(),
+        });
+    }
+    let capacity_status = CapacityStatus {
+        cold_start_seconds: sizing
+            .cold_start
+            .and_then(|c| i64::try_from(c.as_secs()).ok()),
+        ..sizing.decision.status.clone()
+    };
 
     let count = |n: u32| i32::try_from(n).unwrap_or(i32::MAX);
     let status = InferenceServiceStatus {
@@ -835,6 +904,7 @@ fn plan_valid(
         },
         stable_release: decision.state.stable_release.clone(),
         canary_release: decision.state.canary_release.clone(),
+        capacity: (capacity_status != CapacityStatus::default()).then_some(capacity_status),
         rollout_hold: decision.state.rollout_hold.clone(),
         last_rollback: decision.state.last_rollback.clone(),
         failed_releases: decision.state.failed_releases.clone(),
@@ -941,6 +1011,31 @@ fn fault_tolerance(
     }
 }
 
+/// `ScalerConflict`: whether another autoscaler targets this InferenceService. The
+/// operator never fights it (it is the only writer of group counts); it says so.
+fn scaler_conflict(external: &[String]) -> Computed {
+    if external.is_empty() {
+        Computed::new(
+            condition::SCALER_CONFLICT,
+            false,
+            "OperatorOwnsGroupCount",
+            "no other autoscaler targets this InferenceService",
+        )
+    } else {
+        Computed::new(condition::SCALER_CONFLICT, true, "OtherAutoscaler", {
+            let (verb, them) = if external.len() == 1 {
+                ("targets", "it")
+            } else {
+                ("target", "them")
+            };
+            format!(
+                "{} {verb} this InferenceService; the operator alone sets group counts (from spec.capacity) and ignores {them}: remove {them} or point {them} elsewhere",
+                external.join(", ")
+            )
+        })
+    }
+}
+
 /// The event a condition change deserves, if any.
 fn condition_event(new: &Computed, change: Change) -> Option<PlannedEvent> {
     let event = |type_, reason| {
@@ -966,6 +1061,10 @@ fn condition_event(new: &Computed, change: Change) -> Option<PlannedEvent> {
         (condition::DEGRADED, true, _) if new.reason == "GroupsHeld" => {
             event(EventType::Warning, "GroupHeld")
         }
+        (condition::DEMAND_KNOWN, false, Change::New | Change::Flipped) => {
+            event(EventType::Warning, "DemandUnknown")
+        }
+        (condition::SCALER_CONFLICT, true, _) => event(EventType::Warning, "ScalerConflict"),
         _ => None,
     }
 }

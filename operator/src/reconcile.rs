@@ -10,12 +10,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
@@ -26,6 +29,7 @@ use serde::de::DeserializeOwned;
 use slipway_api::InferenceService;
 use tracing::{info, warn};
 
+use crate::demand::DemandReader;
 use crate::error::Error;
 use crate::labels;
 use crate::metrics::Metrics;
@@ -45,6 +49,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Reads the SLO counters of rollouts (scrape samples live here).
     pub rollout_metrics: rollout::source::Reader,
+    /// Reads measured demand (its samples and rate history live here).
+    pub demand: DemandReader,
 }
 
 impl Context {
@@ -58,6 +64,7 @@ impl Context {
             client,
             metrics,
             rollout_metrics: rollout::source::Reader::new(),
+            demand: DemandReader::new(),
         }
     }
 }
@@ -150,9 +157,23 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     let name = isvc.name_any();
     let mut observed = observe(&ctx.client, &namespace, &name).await?;
     observed.metrics = read_rollout_metrics(isvc, &observed, ctx, &namespace, &name).await;
+    observed.external_scalers = external_scalers(&ctx.client, &namespace, &name).await;
     // Whole seconds: what the API server stores, so an unchanged status compares equal.
     let now =
         Time(Timestamp::from_second(Timestamp::now().as_second()).unwrap_or(Timestamp::UNIX_EPOCH));
+    observed.demand = ctx
+        .demand
+        .read(
+            &format!("{namespace}/{name}"),
+            &isvc.spec.capacity,
+            &isvc.spec.rollout.analysis.metrics,
+            &leader_targets(&observed, |_| true),
+            &now,
+        )
+        .await;
+    if let Some(missing) = observed.demand.as_ref().and_then(|d| d.missing.as_ref()) {
+        warn!(%name, %namespace, %missing, "measured demand unavailable; holding the last decision");
+    }
     let plan = plan::plan(isvc, &observed, &now);
 
     apply(&ctx.client, &namespace, &plan).await?;
@@ -221,20 +242,7 @@ async fn read_rollout_metrics(
     if canary == stable || status.failed_releases.iter().any(|f| f == canary) {
         return None;
     }
-    let targets: Vec<rollout::source::Target> = observed
-        .pods
-        .iter()
-        .filter(|p| p.rank == 0 && p.ready && !p.terminating)
-        .filter(|p| p.release == canary || p.release == stable)
-        .filter_map(|p| {
-            Some(rollout::source::Target {
-                pod: p.name.clone(),
-                uid: p.uid.clone()?,
-                ip: p.ip.clone()?,
-                release: p.release.clone(),
-            })
-        })
-        .collect();
+    let targets = leader_targets(observed, |release| release == canary || release == stable);
     let reading = ctx
         .rollout_metrics
         .read(
@@ -249,6 +257,82 @@ async fn read_rollout_metrics(
         warn!(%name, %namespace, %error, "rollout metrics unreadable; analysis is inconclusive");
     }
     Some(reading)
+}
+
+/// The ready leader pods whose release `includes` accepts, as scrape targets: a group
+/// serves through its rank-0 pod, so its counters are the group's.
+fn leader_targets(
+    observed: &Observed,
+    includes: impl Fn(&str) -> bool,
+) -> Vec<rollout::source::Target> {
+    observed
+        .pods
+        .iter()
+        .filter(|p| p.rank == 0 && p.ready && !p.terminating && includes(&p.release))
+        .filter_map(|p| {
+            Some(rollout::source::Target {
+                pod: p.name.clone(),
+                uid: p.uid.clone()?,
+                ip: p.ip.clone()?,
+                release: p.release.clone(),
+            })
+        })
+        .collect()
+}
+
+/// HorizontalPodAutoscalers and KEDA ScaledObjects in the namespace whose
+/// `scaleTargetRef` names this InferenceService. A list that fails (KEDA not
+/// installed, or not allowed) finds none: this only feeds a condition.
+async fn external_scalers(client: &Client, namespace: &str, name: &str) -> Vec<String> {
+    let targets_us = |kind: Option<&str>, target: Option<&str>, api_version: Option<&str>| {
+        kind == Some(InferenceService::kind(&()).as_ref())
+            && target == Some(name)
+            && api_version.is_none_or(|v| v.starts_with(slipway_api::GROUP))
+    };
+    let mut found = Vec::new();
+    match Api::<HorizontalPodAutoscaler>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(list) => {
+            for hpa in list.items {
+                let target = &hpa.spec.scale_target_ref;
+                if targets_us(
+                    Some(&target.kind),
+                    Some(&target.name),
+                    target.api_version.as_deref(),
+                ) {
+                    found.push(format!(
+                        "HorizontalPodAutoscaler {namespace}/{}",
+                        hpa.name_any()
+                    ));
+                }
+            }
+        }
+        Err(error) => warn!(%error, %namespace, "cannot list HorizontalPodAutoscalers"),
+    }
+    let scaled_object = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("keda.sh", "v1alpha1", "ScaledObject"),
+        "scaledobjects",
+    );
+    if let Ok(list) =
+        Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &scaled_object)
+            .list(&ListParams::default())
+            .await
+    {
+        for object in list.items {
+            let target = &object.data["spec"]["scaleTargetRef"];
+            if targets_us(
+                target["kind"].as_str(),
+                target["name"].as_str(),
+                target["apiVersion"].as_str(),
+            ) {
+                found.push(format!("ScaledObject {namespace}/{}", object.name_any()));
+            }
+        }
+    }
+    found.sort();
+    found
 }
 
 fn error_policy(isvc: Arc<InferenceService>, error: &Error, _ctx: Arc<Context>) -> Action {

@@ -116,8 +116,15 @@ fn load(path: &Path) -> Result<(Fixture, InferenceService, Observed), String> {
             );
         }
     }
-    // "As rendered now": hashes and release from a plan of an empty cluster.
-    let fresh = plan(&isvc, &Observed::default(), &fixture.now);
+    // "As rendered now": hashes and release from a plan of an empty cluster, asked
+    // for at least as many groups as the fixture's pods name (group counts do not
+    // change a pod's template).
+    let groups = observed.pods.iter().map(|p| p.group + 1).max().unwrap_or(0);
+    let mut wide = isvc.clone();
+    let groups = i32::try_from(groups).unwrap_or(i32::MAX);
+    wide.spec.capacity.min_replicas = wide.spec.capacity.min_replicas.max(groups);
+    wide.spec.capacity.max_replicas = wide.spec.capacity.max_replicas.max(groups);
+    let fresh = plan(&wide, &Observed::default(), &fixture.now);
     let rendered: BTreeMap<String, &Pod> = fresh
         .apply
         .iter()

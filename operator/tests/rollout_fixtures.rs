@@ -1,4 +1,5 @@
-//! Rollouts as tables: every file in `tests/fixtures/rollout/` is a sequence of
+//! Rollouts and capacity as tables: every file in `tests/fixtures/rollout/` and
+//! `tests/fixtures/capacity/` is a sequence of
 //! reconciles ("ticks") of one InferenceService with `now` advanced explicitly. The
 //! runner plays the cluster: it applies each plan (pods it creates appear not ready,
 //! become ready at the next tick unless the tick says otherwise; pods it deletes are
@@ -19,6 +20,16 @@
 //! since}` or `none`), `events` (exact reasons, in order), `stable`, `failed`,
 //! `lastRollback` (`{release, reasonContains, shortBurnRate, longBurnRate}`),
 //! `conditions` (`{type, status, reason, messageContains}`).
+//!
+//! Measured demand (`capacity.demand.measured`): `requests` (group index → the
+//! cumulative request count its leader's counter shows; a lower number is a counter
+//! reset) feeds the operator's own sample store and rate history, as a scrape would,
+//! and the reading reaches `plan`; a tick without `requests` reuses the last reading,
+//! as the reader does within its interval. `demandMissing` is a scrape that failed.
+//! Expectations: `healthy` (N_healthy), `desired`, `capacity` (subset of
+//! `status.capacity`), `capacityEvents` (exact reasons among Scaled,
+//! ScaleDownPending, DemandUnknown, in order). Zones: pods land round-robin over
+//! `zones` (default one zone), in the order the plan creates them.
 
 mod common;
 
@@ -31,9 +42,11 @@ use serde_json::Value;
 use slipway_api::InferenceService;
 use slipway_api::bundle::bundle_hash;
 use slipway_api::status::InferenceServiceStatus;
+use slipway_operator::demand::{self, DemandReading, RateHistory};
 use slipway_operator::observed::{Observed, ObservedNode, ObservedPod, Phase};
 use slipway_operator::plan::{Child, ChildKind, Plan};
 use slipway_operator::rollout::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
+use slipway_operator::rollout::source::{Counters, SampleStore};
 use slipway_operator::{labels, plan};
 
 use common::{merge, sample_json};
@@ -54,6 +67,9 @@ struct Fixture {
     /// YAML anchors shared by ticks (e.g. good metrics); not read otherwise.
     #[serde(default, rename = "x-good")]
     _anchors: Value,
+    /// Fault domains pods are placed in, round-robin (default: one zone "a").
+    #[serde(default)]
+    zones: Vec<String>,
     ticks: Vec<Tick>,
 }
 
@@ -67,6 +83,12 @@ struct Tick {
     not_ready: Vec<u32>,
     #[serde(default)]
     metrics: Option<Metrics>,
+    /// Group index → cumulative requests its leader has counted.
+    #[serde(default)]
+    requests: Option<BTreeMap<u32, f64>>,
+    /// The demand scrape failed with this reason.
+    #[serde(default)]
+    demand_missing: Option<String>,
     #[serde(default)]
     expect: Expect,
 }
@@ -104,7 +126,13 @@ struct Expect {
     last_rollback: Option<Value>,
     #[serde(default)]
     conditions: Vec<Value>,
+    healthy: Option<i32>,
+    desired: Option<i32>,
+    capacity: Option<Value>,
+    capacity_events: Option<Vec<String>>,
 }
+
+const CAPACITY_EVENTS: [&str; 3] = ["Scaled", "ScaleDownPending", "DemandUnknown"];
 
 const ROLLOUT_EVENTS: [&str; 6] = [
     "RolloutStarted",
@@ -161,6 +189,9 @@ struct Sim {
     pods: Vec<ObservedPod>,
     observed_extra: Observed,
     names: BTreeMap<String, String>, // short hash → release name
+    zones: Vec<String>,
+    placed: usize,
+    now: Time,
 }
 
 fn run(path: &Path) -> Result<(), String> {
@@ -185,12 +216,28 @@ fn run(path: &Path) -> Result<(), String> {
             serde_json::from_value(release_of(name)?).map_err(|e| format!("{name}: {e}"))?;
         names.insert(bundle_hash(&bundle).short().to_owned(), name.clone());
     }
+    let zones = if fixture.zones.is_empty() {
+        vec!["a".to_owned()]
+    } else {
+        fixture.zones.clone()
+    };
     let mut sim = Sim {
         isvc: base.clone(),
         pods: Vec::new(),
         observed_extra: Observed::default(),
         names,
+        zones,
+        placed: 0,
+        now: fixture
+            .ticks
+            .first()
+            .map(|t| t.now.clone())
+            .ok_or("no ticks")?,
     };
+    let started = sim.now.clone();
+    let mut store = SampleStore::new(0.0);
+    let mut history = RateHistory::default();
+    let mut reading: Option<DemandReading> = None;
     sim.isvc["spec"]["release"] = release_of(&fixture.initial)?;
     let mut status = InferenceServiceStatus::default();
     let mut errors = Vec::new();
@@ -202,22 +249,72 @@ fn run(path: &Path) -> Result<(), String> {
         let isvc: InferenceService =
             serde_json::from_value(sim.isvc.clone()).map_err(|e| format!("isvc: {e}"))?;
         for pod in &mut sim.pods {
-            pod.ready = !tick.not_ready.contains(&pod.group);
+            let ready = !tick.not_ready.contains(&pod.group);
+            if ready && !pod.ready {
+                pod.ready_since = Some(tick.now.clone());
+            }
+            pod.ready = ready;
             pod.phase = Phase::Running;
         }
+        sim.now = tick.now.clone();
         let mut observed = sim.observed_extra.clone();
         observed.pods = sim.pods.clone();
-        observed.nodes = BTreeMap::from([(
-            "n0".to_owned(),
-            ObservedNode {
-                labels: BTreeMap::from([(
-                    "topology.kubernetes.io/zone".to_owned(),
-                    "a".to_owned(),
-                )]),
-                ready: true,
-                ..ObservedNode::default()
-            },
-        )]);
+        observed.nodes = sim
+            .zones
+            .iter()
+            .map(|zone| {
+                (
+                    format!("n-{zone}"),
+                    ObservedNode {
+                        labels: BTreeMap::from([(
+                            "topology.kubernetes.io/zone".to_owned(),
+                            zone.clone(),
+                        )]),
+                        ready: true,
+                        ..ObservedNode::default()
+                    },
+                )
+            })
+            .collect();
+        if let Some(measured) = &isvc.spec.capacity.demand.measured {
+            let t = tick.now.0.duration_since(started.0).as_secs_f64();
+            if let Some(why) = &tick.demand_missing {
+                reading = Some(DemandReading {
+                    missing: Some(why.clone()),
+                    at: Some(tick.now.clone()),
+                    ..DemandReading::default()
+                });
+            } else if let Some(requests) = &tick.requests {
+                for (group, count) in requests {
+                    let leader = sim
+                        .pods
+                        .iter()
+                        .find(|p| p.group == *group && p.rank == 0)
+                        .ok_or(format!(
+                            "tick {i}: no pod of group {group} to count requests"
+                        ))?;
+                    let counters = Counters {
+                        requests: *count,
+                        ..Counters::default()
+                    };
+                    let uid = leader.uid.clone().unwrap_or_default();
+                    store.record(t, &uid, &leader.release, counters);
+                }
+                let releases: Vec<String> = sim.pods.iter().map(|p| p.release.clone()).collect();
+                reading = Some(DemandReading {
+                    at: Some(tick.now.clone()),
+                    ..demand::scrape_reading(
+                        &store,
+                        &mut history,
+                        t,
+                        &demand::Windows::of(measured),
+                        isvc.spec.capacity.demand_unit,
+                        &releases,
+                    )
+                });
+            }
+            observed.demand = reading.clone();
+        }
         observed.serving_pods = sim
             .pods
             .iter()
@@ -285,6 +382,51 @@ fn run(path: &Path) -> Result<(), String> {
         }
         let expect = &tick.expect;
         let mut fail = |m: String| errors.push(format!("tick {i} ({}): {m}", tick.now.0));
+        for (what, want, got) in [
+            (
+                "healthy",
+                expect.healthy,
+                plan.status.replicas.healthy_needed,
+            ),
+            ("desired", expect.desired, plan.status.replicas.desired),
+        ] {
+            if let Some(want) = want
+                && want != got
+            {
+                fail(format!(
+                    "{what}: expected {want}, got {got} ({})",
+                    plan.events
+                        .iter()
+                        .map(|e| format!("{}: {}", e.reason, e.note))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ));
+            }
+        }
+        if let Some(want) = &expect.capacity
+            && let Err(e) = subset(
+                want,
+                actual.get("capacity").unwrap_or(&Value::Null),
+                "capacity",
+            )
+        {
+            fail(e);
+        }
+        if let Some(want) = &expect.capacity_events {
+            let got: Vec<String> = plan
+                .events
+                .iter()
+                .filter(|e| CAPACITY_EVENTS.contains(&e.reason))
+                .map(|e| format!("{}: {}", e.reason, e.note))
+                .collect();
+            let reasons: Vec<&str> = got
+                .iter()
+                .map(|e| e.split(':').next().unwrap_or_default())
+                .collect();
+            if *want != reasons {
+                fail(format!("capacity events: expected {want:?}, got {got:?}"));
+            }
+        }
         if let Some(want) = &expect.groups {
             let mut got: BTreeMap<String, u32> = BTreeMap::new();
             for group in &live_groups {
@@ -362,11 +504,13 @@ fn run(path: &Path) -> Result<(), String> {
     }
 }
 
-/// N (provisioned groups) from the capacity plan: status reports desired with surge,
-/// so recompute it from the spec.
-fn status_desired_without_surge(_status: &InferenceServiceStatus, isvc: &InferenceService) -> u32 {
-    slipway_api::capacity::plan_capacity(&slipway_api::capacity::CapacityInput::from(
+/// N (provisioned groups) for the status's N_healthy: status reports desired with
+/// surge, so recompute it.
+fn status_desired_without_surge(status: &InferenceServiceStatus, isvc: &InferenceService) -> u32 {
+    let healthy = f64::from(status.replicas.healthy_needed);
+    slipway_api::capacity::plan_capacity(&slipway_api::capacity::CapacityInput::new(
         &isvc.spec.capacity,
+        healthy * isvc.spec.capacity.replica_goodput,
     ))
     .map(|c| c.provisioned)
     .unwrap_or(0)
@@ -388,29 +532,18 @@ fn apply(sim: &mut Sim, plan: &Plan) {
     for child in &plan.apply {
         match child {
             Child::Pod(pod) => {
-                let meta = &pod.metadata;
-                let labels_of = meta.labels.clone().unwrap_or_default();
-                let number =
-                    |key: &str| labels_of.get(key).and_then(|v| v.parse().ok()).unwrap_or(0);
-                let name = meta.name.clone().unwrap_or_default();
-                sim.pods.retain(|p| p.name != name);
-                sim.pods.push(ObservedPod {
-                    uid: Some(format!("{name}-{}", sim.pods.len())),
-                    name,
-                    group: number(labels::GROUP),
-                    rank: number(labels::RANK),
-                    template_hash: meta
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(labels::TEMPLATE_HASH).cloned()),
-                    release: labels_of.get(labels::RELEASE).cloned().unwrap_or_default(),
-                    phase: Phase::Pending,
-                    ready: false,
-                    node: Some("n0".to_owned()),
-                    terminating: false,
-                    problem: None,
-                    ip: None,
-                });
+                // As the API server would show it just created: the operator's own
+                // conversion, then what the server and scheduler fill in.
+                let Some(mut created) = slipway_operator::observed::pod_from(pod) else {
+                    continue;
+                };
+                sim.pods.retain(|p| p.name != created.name);
+                let zone = sim.zones[sim.placed % sim.zones.len()].clone();
+                sim.placed += 1;
+                created.uid = Some(format!("{}-{}", created.name, sim.placed));
+                created.node = Some(format!("n-{zone}"));
+                created.created = Some(sim.now.clone());
+                sim.pods.push(created);
             }
             Child::Service(service) => {
                 let labels_of = service.metadata.labels.clone().unwrap_or_default();
@@ -437,15 +570,26 @@ fn apply(sim: &mut Sim, plan: &Plan) {
 
 #[test]
 fn rollout_fixtures() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rollout");
+    run_dir("rollout", 10);
+}
+
+#[test]
+fn capacity_fixtures() {
+    run_dir("capacity", 6);
+}
+
+fn run_dir(name: &str, at_least: usize) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|entries| entries.filter_map(|e| e.ok().map(|e| e.path())).collect())
         .unwrap_or_default();
     paths.retain(|p| p.extension().is_some_and(|e| e == "yaml"));
     paths.sort();
     assert!(
-        paths.len() >= 10,
-        "expected the rollout fixtures in {}",
+        paths.len() >= at_least,
+        "expected the {name} fixtures in {}",
         dir.display()
     );
     let failures: Vec<String> = paths
@@ -461,7 +605,7 @@ fn rollout_fixtures() {
         .collect();
     assert!(
         failures.is_empty(),
-        "{} of {} rollout fixtures failed:\n{}",
+        "{} of {} {name} fixtures failed:\n{}",
         failures.len(),
         paths.len(),
         failures.join("\n")

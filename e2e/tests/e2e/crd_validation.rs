@@ -135,9 +135,30 @@ fn invalid_cases() -> Vec<InvalidCase> {
             Cel("minReplicas must not exceed maxReplicas"),
         ),
         case(
-            "peakDemand positive",
-            vec![("/spec/capacity/peakDemand", json!(0.0))],
-            Cel("peakDemand must be positive"),
+            "demand.static positive",
+            vec![("/spec/capacity/demand/static", json!(0.0))],
+            Cel("demand.static must be positive"),
+        ),
+        case(
+            "demand needs a source",
+            vec![("/spec/capacity/demand", json!({}))],
+            Cel("capacity.demand needs static, measured, or both"),
+        ),
+        case(
+            "measured rateWindow within peakWindow",
+            vec![(
+                "/spec/capacity/demand",
+                json!({"measured": {"rateWindow": "10m", "peakWindow": "5m"}}),
+            )],
+            Cel("demand.measured.rateWindow must not be longer than peakWindow"),
+        ),
+        case(
+            "measured rateWindow at least 4s",
+            vec![(
+                "/spec/capacity/demand",
+                json!({"measured": {"rateWindow": "2s"}}),
+            )],
+            Cel("demand.measured.rateWindow must be at least 4s"),
         ),
         case(
             "replicaGoodput positive",

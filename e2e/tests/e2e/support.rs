@@ -66,7 +66,7 @@ pub fn valid_inference_service(name: &str) -> Value {
             },
             "parallelism": { "tensor": 2, "pipeline": 1, "gpusPerNode": 8 },
             "capacity": {
-                "peakDemand": 40.0,
+                "demand": {"static": 40.0},
                 "replicaGoodput": 12.5,
                 "demandUnit": "RequestsPerSecond",
                 "faultDomain": { "topologyKey": "topology.kubernetes.io/zone", "fLoss": 0.34 },

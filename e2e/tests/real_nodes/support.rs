@@ -181,7 +181,7 @@ pub fn real_sample(namespace: &str) -> anyhow::Result<Value> {
     });
     // A small KV pool: two engines share one machine's memory with the build.
     spec["release"]["engine"]["args"] = json!(["--kv-blocks", "256"]);
-    spec["capacity"]["peakDemand"] = json!(0.5);
+    spec["capacity"]["demand"] = json!({"static": 0.5});
     spec["capacity"]["replicaGoodput"] = json!(0.5);
     spec["capacity"]["faultDomain"]["fLoss"] = json!(0.5);
     spec["drain"] = json!({"preStopDelaySeconds": 2, "maxDrainSeconds": 60});

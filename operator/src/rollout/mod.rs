@@ -198,10 +198,7 @@ pub fn decide(input: &Input<'_>) -> Decision {
     let surge = u32::try_from(input.spec.max_surge.max(1)).unwrap_or(1);
     let (canary, stable) = (input.canary_groups, input.stable_groups);
 
-    // Surge first: add canary groups within N + maxSurge alive groups.
-    let room = (n + surge).saturating_sub(canary.alive + stable.alive);
-    let canary_now = canary.alive.min(c_target) + c_target.saturating_sub(canary.alive).min(room);
-    // Then drain: a stable group goes only when a ready canary group replaces it, and
+    // Drain: a stable group goes only when a ready canary group replaces it, and
     // never below N_healthy ready groups.
     let ready_total = canary.ready + stable.ready;
     let capacity_lost = ready_total < input.needed;
@@ -211,6 +208,10 @@ pub fn decide(input: &Input<'_>) -> Decision {
     let stable_now = s_target
         .max(n.saturating_sub(canary.ready.min(c_target)))
         .max(floor_ready.min(stable.alive));
+    // Surge first: add canary groups within N + maxSurge alive groups, counting the
+    // stable groups this plan keeps or adds (N can grow mid-rollout with demand).
+    let room = (n + surge).saturating_sub(canary.alive + stable.alive.max(stable_now));
+    let canary_now = canary.alive.min(c_target) + c_target.saturating_sub(canary.alive).min(room);
 
     let thresholds = thresholds(input);
     let verdict = match input.metrics {
@@ -531,22 +532,54 @@ pub fn rolled_back_condition(
 }
 
 /// Which release each group index runs: existing groups keep their release while
-/// their release still needs them (lowest indices kept), new groups take the lowest
-/// indices without live pods (stable first; an index whose pods are still terminating
-/// is reused once they are gone, as names are). `existing` maps indices with live pods
-/// to their release; groups of other releases are left out, so they are drained.
+/// their release still needs them, new groups take the lowest indices without live
+/// pods (stable first; an index whose pods are still terminating is reused once they
+/// are gone, as names are). `existing` maps indices with live pods to their release;
+/// groups of other releases are left out, so they are drained.
+///
+/// When a release has more groups than it needs, the surplus is taken where it hurts
+/// a fault-domain loss least: unplaced groups first (they serve nothing), then from
+/// the domain holding the most kept groups (`placed`: index → domain of its leader),
+/// highest index first among equals. Removing by index alone could empty one domain
+/// while another keeps two, so that losing it leaves too few.
 pub fn assign(
     existing: &std::collections::BTreeMap<u32, String>,
     wants: &[(&str, u32)],
+    placed: &std::collections::BTreeMap<u32, String>,
 ) -> std::collections::BTreeMap<u32, String> {
-    let mut out = std::collections::BTreeMap::new();
+    let mut out: std::collections::BTreeMap<u32, String> = existing
+        .iter()
+        .filter(|(_, release)| wants.iter().any(|(r, _)| r == release))
+        .map(|(&index, release)| (index, release.clone()))
+        .collect();
     for (release, count) in wants {
-        for (&index, _) in existing
-            .iter()
-            .filter(|(_, r)| r.as_str() == *release)
-            .take(*count as usize)
-        {
-            out.insert(index, (*release).to_owned());
+        loop {
+            let mine: Vec<u32> = out
+                .iter()
+                .filter(|(_, r)| r.as_str() == *release)
+                .map(|(&index, _)| index)
+                .collect();
+            if mine.len() <= *count as usize {
+                break;
+            }
+            let mut load: std::collections::BTreeMap<&str, usize> =
+                std::collections::BTreeMap::new();
+            for index in out.keys() {
+                if let Some(domain) = placed.get(index) {
+                    *load.entry(domain.as_str()).or_default() += 1;
+                }
+            }
+            let surplus = mine.iter().copied().max_by_key(|index| {
+                let domain = placed.get(index);
+                (
+                    domain.is_none(),
+                    domain.map_or(0, |d| load.get(d.as_str()).copied().unwrap_or(0)),
+                    *index,
+                )
+            });
+            if let Some(index) = surplus {
+                out.remove(&index);
+            }
         }
     }
     let mut next = 0u32;

@@ -17,8 +17,13 @@
 //!   An empty result (no series yet) is 0 requests, which analysis reads as
 //!   inconclusive. Prometheus holds history, so its windows are never partial.
 //!
-//! The text-format parser reads only the two counters it needs (`slipway_requests_total`
-//! with its `outcome` label and `slipway_requests_slo_met_total`); no maintained Rust
+//! The same scrapes and store feed measured demand ([`crate::demand`]): it reads all of
+//! a service's releases, every outcome of `slipway_requests_total` and
+//! `slipway_generation_tokens_total`.
+//!
+//! The text-format parser reads only the counters it needs (`slipway_requests_total`
+//! with its `outcome` label, `slipway_requests_slo_met_total` and
+//! `slipway_generation_tokens_total`); no maintained Rust
 //! crate parses the exposition format (prometheus-client only writes it), and these
 //! lines are simple: `name{label="value",...} number [timestamp]`.
 //!
@@ -33,7 +38,8 @@ use serde::Deserialize;
 use slipway_api::duration;
 use slipway_api::spec::{AnalysisSpec, MetricsSourceKind};
 use slipway_contract::metrics::{
-    OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET, counter_total,
+    GENERATION_TOKENS, OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET,
+    counter_total,
 };
 
 use super::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
@@ -48,18 +54,82 @@ pub fn eligible_outcomes() -> impl Iterator<Item = &'static str> {
 /// Timeout of one scrape or query.
 pub const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The two counters of one pod (or one release), summed over its label sets.
+/// The counters of one pod (or one release), summed over its label sets.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Counters {
+    /// Requests that met the SLO.
     pub good: f64,
+    /// Requests eligible for the SLI (ok + error + rejected_503).
     pub eligible: f64,
+    /// Every request that ended, whatever its outcome (rejections included).
+    pub requests: f64,
+    /// Requests refused before they ran (429 and 503).
+    pub rejected: f64,
+    /// Generated tokens.
+    pub generated_tokens: f64,
 }
 
-/// Reads `slipway_requests_slo_met_total` and the eligible outcomes of
-/// `slipway_requests_total` for `release` from Prometheus text format. Lines it does
-/// not need, or cannot parse, are skipped.
+impl Counters {
+    /// Field-wise increase from `old` to `self`; a counter that went down restarted
+    /// from 0, so its whole value is the increase.
+    #[must_use]
+    pub fn increase_since(self, old: Self) -> Self {
+        let inc = |new: f64, old: f64| if new >= old { new - old } else { new };
+        Self {
+            good: inc(self.good, old.good),
+            eligible: inc(self.eligible, old.eligible),
+            requests: inc(self.requests, old.requests),
+            rejected: inc(self.rejected, old.rejected),
+            generated_tokens: inc(self.generated_tokens, old.generated_tokens),
+        }
+    }
+
+    /// Field-wise sum.
+    #[must_use]
+    pub fn plus(self, other: Self) -> Self {
+        Self {
+            good: self.good + other.good,
+            eligible: self.eligible + other.eligible,
+            requests: self.requests + other.requests,
+            rejected: self.rejected + other.rejected,
+            generated_tokens: self.generated_tokens + other.generated_tokens,
+        }
+    }
+
+    fn minus(self, other: Self) -> Self {
+        Self {
+            good: self.good - other.good,
+            eligible: self.eligible - other.eligible,
+            requests: self.requests - other.requests,
+            rejected: self.rejected - other.rejected,
+            generated_tokens: self.generated_tokens - other.generated_tokens,
+        }
+    }
+
+    fn scaled(self, by: f64) -> Self {
+        Self {
+            good: self.good * by,
+            eligible: self.eligible * by,
+            requests: self.requests * by,
+            rejected: self.rejected * by,
+            generated_tokens: self.generated_tokens * by,
+        }
+    }
+
+    fn any(&self) -> bool {
+        self.requests > 0.0 || self.good > 0.0 || self.generated_tokens > 0.0
+    }
+}
+
+/// Reads the counters of `release` from Prometheus text format: the SLO-met count,
+/// `slipway_requests_total` by outcome and the generated tokens. Lines it does not
+/// need, or cannot parse, are skipped.
 pub fn parse_counters(text: &str, release: &str) -> Counters {
-    let (good_name, requests_name) = (counter_total(REQUESTS_SLO_MET), counter_total(REQUESTS));
+    let (good_name, requests_name, tokens_name) = (
+        counter_total(REQUESTS_SLO_MET),
+        counter_total(REQUESTS),
+        counter_total(GENERATION_TOKENS),
+    );
     let mut counters = Counters::default();
     for line in text.lines() {
         let line = line.trim();
@@ -74,12 +144,19 @@ pub fn parse_counters(text: &str, release: &str) -> Counters {
         }
         if name == good_name {
             counters.good += value;
-        } else if name == requests_name
-            && labels
+        } else if name == tokens_name {
+            counters.generated_tokens += value;
+        } else if name == requests_name {
+            let outcome = labels
                 .get(OUTCOME_LABEL)
-                .is_some_and(|o| eligible_outcomes().any(|e| e == o))
-        {
-            counters.eligible += value;
+                .and_then(|o| Outcome::ALL.into_iter().find(|known| known.as_str() == o));
+            counters.requests += value;
+            if outcome.is_some_and(Outcome::is_slo_eligible) {
+                counters.eligible += value;
+            }
+            if outcome.is_some_and(Outcome::is_rejection) {
+                counters.rejected += value;
+            }
         }
     }
     counters
@@ -160,7 +237,7 @@ impl SampleStore {
             .or_insert_with(|| PodSeries {
                 release: release.to_owned(),
                 samples: VecDeque::new(),
-                first_nonzero: counters.eligible > 0.0 || counters.good > 0.0,
+                first_nonzero: counters.any(),
             });
         series.samples.push_back((t, counters));
     }
@@ -179,9 +256,52 @@ impl SampleStore {
 
     /// Increases of `release`'s counters over `(t − window, t]`.
     pub fn window(&self, release: &str, t: f64, window: f64) -> WindowCounts {
+        let (counts, partial) = self.increase(|r| r == release, t, window);
+        WindowCounts {
+            good: counts.good,
+            eligible: counts.eligible,
+            partial,
+        }
+    }
+
+    /// Increases over `(t − window, t]`, summed over the pods whose release `includes`
+    /// accepts, and whether the store saw only part of the window (it started inside
+    /// it while a pod already had requests: the counts are then a lower bound). Each
+    /// pod's increase runs from its last sample at or before the window's start, so a
+    /// window between samples counts a little more than its length.
+    pub fn increase(
+        &self,
+        includes: impl Fn(&str) -> bool,
+        t: f64,
+        window: f64,
+    ) -> (Counters, bool) {
+        self.increase_from(includes, t, window, false)
+    }
+
+    /// [`SampleStore::increase`] with each pod's counters at the window's start
+    /// interpolated between the samples around it, so the increase spans the window
+    /// exactly: what a rate (increase ÷ window) needs when samples do not fall on the
+    /// window's start. A reset between those samples leaves the earlier one as the start.
+    pub fn increase_over_window(
+        &self,
+        includes: impl Fn(&str) -> bool,
+        t: f64,
+        window: f64,
+    ) -> (Counters, bool) {
+        self.increase_from(includes, t, window, true)
+    }
+
+    fn increase_from(
+        &self,
+        includes: impl Fn(&str) -> bool,
+        t: f64,
+        window: f64,
+        interpolate: bool,
+    ) -> (Counters, bool) {
         let start = t - window;
-        let mut out = WindowCounts::default();
-        for series in self.pods.values().filter(|s| s.release == release) {
+        let mut out = Counters::default();
+        let mut partial = false;
+        for series in self.pods.values().filter(|s| includes(&s.release)) {
             let samples = &series.samples;
             // Baseline: the last sample at or before the window's start, else the first.
             let base = samples
@@ -189,22 +309,38 @@ impl SampleStore {
                 .rposition(|(at, _)| *at <= start)
                 .unwrap_or(0);
             if samples[base].0 > start && series.first_nonzero && self.started > start {
-                out.partial = true;
+                partial = true;
             }
             let mut previous = samples[base].1;
             if samples[base].0 > start && !series.first_nonzero {
                 // Seen from its first request on: everything counts.
-                out.good += previous.good;
-                out.eligible += previous.eligible;
+                out = out.plus(previous);
             }
-            for (_, now) in samples.iter().skip(base + 1) {
-                let inc = |new: f64, old: f64| if new >= old { new - old } else { new };
-                out.good += inc(now.good, previous.good);
-                out.eligible += inc(now.eligible, previous.eligible);
+            for (i, (at, now)) in samples.iter().enumerate().skip(base + 1) {
+                let mut increase = now.increase_since(previous);
+                let before = samples[i - 1].0;
+                if interpolate && i == base + 1 && before < start && *at > before {
+                    let reset = now.increase_since(previous) != now.minus(previous);
+                    if !reset {
+                        // Only the part of this interval inside the window counts.
+                        increase = increase.scaled((at - start) / (at - before));
+                    }
+                }
+                out = out.plus(increase);
                 previous = *now;
             }
         }
-        out
+        (out, partial)
+    }
+
+    /// How many pods whose release `includes` accepts have samples.
+    pub fn pods_of(&self, includes: impl Fn(&str) -> bool) -> usize {
+        self.pods.values().filter(|s| includes(&s.release)).count()
+    }
+
+    /// When the store began (an operator restart begins a new one).
+    pub fn started(&self) -> f64 {
+        self.started
     }
 
     /// Whether any pod of `release` has samples.
@@ -289,6 +425,83 @@ pub struct Target {
     pub release: String,
 }
 
+/// The HTTP side of both sources: GETs engine pods' `/metrics` and runs Prometheus
+/// instant queries. Shared by rollout analysis and measured demand.
+pub struct Scraper {
+    http: reqwest::Client,
+    address_map: HashMap<String, String>,
+}
+
+/// One round of scrapes: the counters read, and a sentence per pod that failed.
+pub struct Scraped<'a> {
+    pub counters: Vec<(&'a Target, Counters)>,
+    pub failures: Vec<(&'a Target, String)>,
+}
+
+impl Scraper {
+    /// A scraper that reads each pod at `<pod IP>:8000`, except the IPs `address_map`
+    /// names (test-only: engines on 127.0.0.1 ports standing in for pods).
+    pub fn new(address_map: HashMap<String, String>) -> Self {
+        Self {
+            http: reqwest::Client::builder()
+                .timeout(HTTP_TIMEOUT)
+                .build()
+                .unwrap_or_default(),
+            address_map,
+        }
+    }
+
+    /// Scrapes every target once, in order.
+    pub async fn scrape<'a>(&self, targets: &'a [Target]) -> Scraped<'a> {
+        let mut scraped = Scraped {
+            counters: Vec::new(),
+            failures: Vec::new(),
+        };
+        for target in targets {
+            let address = self
+                .address_map
+                .get(&target.ip)
+                .cloned()
+                .unwrap_or_else(|| format!("{}:{}", target.ip, slipway_contract::ENGINE_PORT));
+            let result = async {
+                let response = self
+                    .http
+                    .get(format!("http://{address}/metrics"))
+                    .send()
+                    .await?
+                    .error_for_status()?;
+                response.text().await
+            }
+            .await;
+            match result {
+                Ok(text) => scraped
+                    .counters
+                    .push((target, parse_counters(&text, &target.release))),
+                Err(e) => scraped
+                    .failures
+                    .push((target, format!("{} ({address}): {e}", target.pod))),
+            }
+        }
+        scraped
+    }
+
+    /// One instant query's scalar (see [`parse_query_response`]).
+    ///
+    /// # Errors
+    /// A sentence naming the server when it cannot be reached or the query fails.
+    pub async fn query(&self, url: &str, promql: &str) -> Result<f64, String> {
+        let response = self
+            .http
+            .get(format!("{}/api/v1/query", url.trim_end_matches('/')))
+            .query(&[("query", promql)])
+            .send()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        let body = response.text().await.map_err(|e| format!("{url}: {e}"))?;
+        parse_query_response(&body).map_err(|e| format!("{url}: {e}"))
+    }
+}
+
 struct Entry {
     store: SampleStore,
     last: Option<(Instant, String, String, MetricsReading)>,
@@ -298,9 +511,8 @@ struct Entry {
 /// reused within an analysis interval, so the status write a reading causes does not
 /// make the next reconcile read (and write) again.
 pub struct Reader {
-    http: reqwest::Client,
+    scraper: Scraper,
     epoch: Instant,
-    address_map: HashMap<String, String>,
     entries: Mutex<HashMap<String, Entry>>,
 }
 
@@ -320,12 +532,8 @@ impl Reader {
     /// IPs it names (test-only: engines on 127.0.0.1 ports standing in for pods).
     pub fn with_address_map(address_map: HashMap<String, String>) -> Self {
         Self {
-            http: reqwest::Client::builder()
-                .timeout(HTTP_TIMEOUT)
-                .build()
-                .unwrap_or_default(),
+            scraper: Scraper::new(address_map),
             epoch: Instant::now(),
-            address_map,
             entries: Mutex::new(HashMap::new()),
         }
     }
@@ -397,8 +605,8 @@ impl Reader {
             for window in [short, long] {
                 let (good, eligible) = promql(release, window);
                 windows.push(WindowCounts {
-                    good: self.query(url, &good).await?,
-                    eligible: self.query(url, &eligible).await?,
+                    good: self.scraper.query(url, &good).await?,
+                    eligible: self.scraper.query(url, &eligible).await?,
                     partial: false,
                 });
             }
@@ -415,18 +623,6 @@ impl Reader {
         })
     }
 
-    async fn query(&self, url: &str, promql: &str) -> Result<f64, String> {
-        let response = self
-            .http
-            .get(format!("{}/api/v1/query", url.trim_end_matches('/')))
-            .query(&[("query", promql)])
-            .send()
-            .await
-            .map_err(|e| format!("{url}: {e}"))?;
-        let body = response.text().await.map_err(|e| format!("{url}: {e}"))?;
-        parse_query_response(&body)
-    }
-
     async fn scrape(
         &self,
         key: &str,
@@ -435,29 +631,7 @@ impl Reader {
         (short, long): (Duration, Duration),
         targets: &[Target],
     ) -> MetricsReading {
-        let mut scraped = Vec::new();
-        let mut failures = Vec::new();
-        for target in targets {
-            let address = self
-                .address_map
-                .get(&target.ip)
-                .cloned()
-                .unwrap_or_else(|| format!("{}:{}", target.ip, slipway_contract::ENGINE_PORT));
-            let result = async {
-                let response = self
-                    .http
-                    .get(format!("http://{address}/metrics"))
-                    .send()
-                    .await?
-                    .error_for_status()?;
-                response.text().await
-            }
-            .await;
-            match result {
-                Ok(text) => scraped.push((target, parse_counters(&text, &target.release))),
-                Err(e) => failures.push(format!("{} ({address}): {e}", target.pod)),
-            }
-        }
+        let scraped = self.scraper.scrape(targets).await;
         let t = self.epoch.elapsed().as_secs_f64();
         let Ok(mut entries) = self.entries.lock() else {
             return MetricsReading {
@@ -470,7 +644,7 @@ impl Reader {
             store: SampleStore::new(t),
             last: None,
         });
-        for (target, counters) in scraped {
+        for (target, counters) in scraped.counters {
             entry
                 .store
                 .record(t, &target.uid, &target.release, counters);
@@ -487,14 +661,18 @@ impl Reader {
             canary: windows(canary),
             stable: windows(stable),
             // Any unreadable canary pod makes the reading incomplete: not evidence.
-            error: failures
+            error: scraped
+                .failures
                 .iter()
-                .any(|f| {
-                    targets
+                .any(|(target, _)| target.release == canary)
+                .then(|| {
+                    scraped
+                        .failures
                         .iter()
-                        .any(|t| t.release == canary && f.starts_with(&t.pod))
-                })
-                .then(|| failures.join("; ")),
+                        .map(|(_, why)| why.as_str())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                }),
         }
     }
 }
@@ -522,20 +700,30 @@ slipway_requests_slo_met_created{model="smol",release="abc"} 1.7e9
             parse_counters(TEXT, "abc"),
             Counters {
                 good: 80.0,
-                eligible: 100.0
+                eligible: 100.0,
+                requests: 157.0,
+                rejected: 56.0,
+                generated_tokens: 0.0,
             }
         );
         assert_eq!(
             parse_counters(TEXT, "other"),
             Counters {
                 good: 0.0,
-                eligible: 1000.0
+                eligible: 1000.0,
+                requests: 1000.0,
+                rejected: 0.0,
+                generated_tokens: 0.0,
             }
         );
     }
 
     fn c(good: f64, eligible: f64) -> Counters {
-        Counters { good, eligible }
+        Counters {
+            good,
+            eligible,
+            ..Counters::default()
+        }
     }
 
     #[test]
