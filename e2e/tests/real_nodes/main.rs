@@ -47,6 +47,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         operator::a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted,
         operator::a_killed_engine_recreates_its_group,
         operator::a_stopped_kubelet_loses_its_zone_and_recovers,
+        operator::measured_demand_follows_a_ramp,
     ]
 }
 

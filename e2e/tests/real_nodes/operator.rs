@@ -3,7 +3,8 @@
 //! answers; a group drains its in-flight streams when its pod is deleted; a slow
 //! canary is rolled back on real pods while serving never drops below N_healthy; a
 //! killed engine recreates its group; a stopped kubelet loses its zone, and the
-//! cluster recovers when it comes back.
+//! cluster recovers when it comes back; measured demand adds and removes groups
+//! under a ramp of real traffic.
 //!
 //! The sample is sized for two small nodes in two zones: N_healthy = 1, fLoss = 0.5,
 //! so two groups, one per zone (spread by the operator's topology constraint).
@@ -45,13 +46,18 @@ struct Running {
 
 impl Running {
     async fn start(env: &Env, isvc: Value) -> anyhow::Result<Self> {
+        Self::start_with(env, isvc, 2).await
+    }
+
+    /// Applies `isvc` and waits until `groups` groups are ready.
+    async fn start_with(env: &Env, isvc: Value, groups: i64) -> anyhow::Result<Self> {
         let ns = real_namespace(env).await?;
         let operator = OperatorProcess::start(env, &ns).await?;
         let mut running = Self { ns, operator };
         let mut isvc = isvc;
         isvc["metadata"]["namespace"] = json!(running.ns.name());
         apply(&running.ns, &isvc).await?;
-        running.wait_ready(2, POD_READY * 2).await?;
+        running.wait_ready(groups, POD_READY * 2).await?;
         Ok(running)
     }
 
@@ -405,23 +411,43 @@ fn write_report(file: &str, text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the requests of an open-loop load ended.
+#[derive(Debug, Default)]
+struct LoadReport {
+    sent: u64,
+    /// Completed with 200.
+    ok: u64,
+    /// Refused at admission (429 or 503): never admitted, so never lost.
+    refused: u64,
+    /// Anything else: a transport error, a cut connection, another status. Once a
+    /// request was admitted, this is a lost request.
+    lost: u64,
+    /// Completed within TTFT target + (tokens − 1) × TPOT target (E2E bound: the
+    /// requests are not streamed).
+    slo_met: u64,
+}
+
 /// Open-loop load through the client Service's ready endpoints, round-robin, as the
 /// Service would spread it (there is no kube-proxy: the endpoints are read from the
-/// EndpointSlices every second). Stops when `stop` is set; returns (sent, failed).
+/// EndpointSlices every second), at `rate(seconds since start)` requests per second.
+/// Stops when `stop` is set.
 async fn service_load(
     admin: kube::Client,
     namespace: String,
-    rate: f64,
+    rate: impl Fn(f64) -> f64 + Send + 'static,
     stop: Arc<AtomicBool>,
-) -> anyhow::Result<(u64, u64)> {
+) -> anyhow::Result<LoadReport> {
+    const TOKENS: u32 = 6;
+    // The sample's SLO (slo.ttft 2 s, slo.tpot 150 ms) as an E2E bound.
+    let slo_e2e = Duration::from_millis(2000 + 150 * u64::from(TOKENS - 1));
     let http = http()?;
-    let sent = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
+    let counts: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
     let in_flight = Arc::new(tokio::sync::Semaphore::new(32));
     let mut ips: Vec<String> = Vec::new();
     let mut refreshed = Instant::now() - Duration::from_secs(10);
     let mut next = 0usize;
-    let interval = Duration::from_secs_f64(1.0 / rate);
+    let started = Instant::now();
+    let mut due = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(900);
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         if refreshed.elapsed() >= Duration::from_secs(1) {
@@ -438,25 +464,47 @@ async fn service_load(
         {
             let ip = ips[next % ips.len()].clone();
             next += 1;
-            let (http, sent, failed) = (http.clone(), Arc::clone(&sent), Arc::clone(&failed));
+            let (http, counts) = (http.clone(), Arc::clone(&counts));
             tokio::spawn(async move {
                 let _permit = permit;
-                sent.fetch_add(1, Ordering::Relaxed);
-                let ok = http
+                counts[0].fetch_add(1, Ordering::Relaxed);
+                let sent = Instant::now();
+                let status = http
                     .post(format!("http://{ip}:{ENGINE_PORT}/v1/completions"))
                     .timeout(Duration::from_secs(60))
-                    .json(&json!({"model": ISVC, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": true}))
+                    .json(&json!({"model": ISVC, "prompt": "Once upon a time", "max_tokens": TOKENS, "ignore_eos": true}))
                     .send()
                     .await
-                    .is_ok_and(|r| r.status().is_success());
-                if !ok {
-                    failed.fetch_add(1, Ordering::Relaxed);
-                }
+                    .map(|r| r.status());
+                // The body is read by `send` for a non-streamed response's status only;
+                // the engine answers when it finished generating.
+                let slot = match status {
+                    Ok(s) if s.is_success() => {
+                        if sent.elapsed() <= slo_e2e {
+                            counts[4].fetch_add(1, Ordering::Relaxed);
+                        }
+                        1
+                    }
+                    Ok(s) if s.as_u16() == 429 || s.as_u16() == 503 => 2,
+                    _ => 3,
+                };
+                counts[slot].fetch_add(1, Ordering::Relaxed);
             });
         }
-        tokio::time::sleep(interval).await;
+        let r = rate(started.elapsed().as_secs_f64()).max(0.01);
+        due += Duration::from_secs_f64(1.0 / r);
+        tokio::time::sleep_until(due.into()).await;
     }
-    Ok((sent.load(Ordering::Relaxed), failed.load(Ordering::Relaxed)))
+    // Let the requests in flight end before counting.
+    let _ = in_flight.acquire_many(32).await;
+    let c = |i: usize| counts[i].load(Ordering::Relaxed);
+    Ok(LoadReport {
+        sent: c(0),
+        ok: c(1),
+        refused: c(2),
+        lost: c(3),
+        slo_met: c(4),
+    })
 }
 
 fn with_rollout(mut isvc: Value) -> Value {
@@ -497,7 +545,7 @@ pub async fn a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted(
     let load = tokio::spawn(service_load(
         running.ns.admin.clone(),
         running.ns.name().to_owned(),
-        4.0,
+        |_| 4.0,
         Arc::clone(&stop),
     ));
     let mut min_serving = i64::MAX;
@@ -561,7 +609,8 @@ pub async fn a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted(
         })
         .await?;
     stop.store(true, Ordering::Relaxed);
-    let (sent, failed) = load.await.context("load task panicked")??;
+    let report = load.await.context("load task panicked")??;
+    let (sent, failed) = (report.sent, report.refused + report.lost);
     ensure!(
         min_serving >= healthy,
         "serving dropped to {min_serving} groups during the rollouts, below N_healthy = {healthy}"
@@ -749,5 +798,177 @@ pub async fn a_stopped_kubelet_loses_its_zone_and_recovers(env: Arc<Env>) -> any
         })
         .await?;
     tracing::info!(lost = %fault, "zone loss reported and recovered");
+    Ok(())
+}
+
+/// The ramp of [`measured_demand_follows_a_ramp`]: 0.1 → 3 req/s over 60 s (3× one
+/// group's declared goodput of 1 req/s), 3 req/s for 40 s, back to 0.1 over 20 s, then
+/// 0.1 req/s.
+fn ramp(t: f64) -> f64 {
+    match t {
+        t if t < 60.0 => 0.1 + 2.9 * t / 60.0,
+        t if t < 100.0 => 3.0,
+        t if t < 120.0 => 3.0 - 2.9 * (t - 100.0) / 20.0,
+        _ => 0.1,
+    }
+}
+
+/// Measured demand on real pods: an open-loop ramp through the client Service makes
+/// the operator add groups as the engines' request counters rise, then remove them,
+/// one at a time through drain, once the demand has stayed low for the stabilisation
+/// window. No admitted request is lost on the way; the SLO-met fraction, and demand,
+/// desired and ready groups over time go to `e2e-reports/capacity-ramp.txt`. An
+/// autoscaler pointed at the object afterwards is reported (`ScalerConflict`), not
+/// fought: this also proves the operator's RBAC may list them.
+pub async fn measured_demand_follows_a_ramp(env: Arc<Env>) -> anyhow::Result<()> {
+    let mut isvc = real_sample("")?;
+    isvc["spec"]["capacity"] = json!({
+        "demand": {"measured": {
+            "rateWindow": "20s",
+            "peakWindow": "40s",
+            "headroom": 0,
+            "scaleDownStabilization": "30s",
+        }},
+        "replicaGoodput": 1.0,
+        "faultDomain": {"fLoss": 0},
+        "minReplicas": 1,
+        "maxReplicas": 4,
+    });
+    let mut running = Running::start_with(&env, isvc, 1).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(service_load(
+        running.ns.admin.clone(),
+        running.ns.name().to_owned(),
+        ramp,
+        Arc::clone(&stop),
+    ));
+    let started = Instant::now();
+    let mut timeline =
+        String::from("t_s  demand_now  demand_peak  desired  ready  healthy_needed\n");
+    let mut peak_desired = 0;
+    let mut record = |s: &Value, timeline: &mut String| {
+        let desired = s["replicas"]["desired"].as_i64().unwrap_or(0);
+        peak_desired = peak_desired.max(desired);
+        let line = format!(
+            "{:>4.0}  {:>10.2}  {:>11.2}  {:>7}  {:>5}  {:>14}\n",
+            started.elapsed().as_secs_f64(),
+            s["capacity"]["demand"]["current"]
+                .as_f64()
+                .unwrap_or(f64::NAN),
+            s["capacity"]["demand"]["peak"].as_f64().unwrap_or(f64::NAN),
+            desired,
+            s["replicas"]["ready"].as_i64().unwrap_or(0),
+            s["replicas"]["healthyNeeded"].as_i64().unwrap_or(0),
+        );
+        if !timeline.ends_with(&line[6..]) {
+            timeline.push_str(&line);
+        }
+    };
+    // Up: three groups needed at 3 req/s; they are added while the load is at its top.
+    let up = running
+        .until(
+            "3 ready groups under the ramp",
+            Duration::from_secs(150),
+            |s| {
+                record(s, &mut timeline);
+                (s["replicas"]["ready"].as_i64().is_some_and(|r| r >= 3)).then(|| s.clone())
+            },
+        )
+        .await?;
+    ensure!(
+        condition(&up, "DemandKnown").is_some_and(|c| c["status"] == "True"),
+        "demand was not measured: {up}"
+    );
+    // Down: after the ramp, back to one group, one step at a time.
+    let down = running
+        .until(
+            "back to 1 group after the ramp",
+            Duration::from_secs(300),
+            |s| {
+                record(s, &mut timeline);
+                (started.elapsed() > Duration::from_secs(120)
+                    && s["replicas"]["desired"] == 1
+                    && s["replicas"]["ready"] == 1)
+                    .then(|| s.clone())
+            },
+        )
+        .await?;
+    stop.store(true, Ordering::Relaxed);
+    let report = load.await.context("load task panicked")??;
+    let events = Api::<Event>::namespaced(running.ns.admin.clone(), running.ns.name())
+        .list(&ListParams::default())
+        .await?;
+    let scaled: Vec<String> = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("Scaled"))
+        .map(|e| e.message.clone().unwrap_or_default())
+        .collect();
+    let slo_met = report.slo_met as f64 / report.ok.max(1) as f64;
+    let summary = format!(
+        "{timeline}\nrequests sent {}, ok {}, refused {}, lost {}; SLO met (E2E bound) {:.1} % of ok\npeak desired groups {peak_desired}\nScaled events:\n  {}\n",
+        report.sent,
+        report.ok,
+        report.refused,
+        report.lost,
+        slo_met * 100.0,
+        scaled.join("\n  ")
+    );
+    write_report("capacity-ramp.txt", &summary)?;
+    tracing::info!("\n{summary}");
+    ensure!(
+        report.lost == 0,
+        "{} admitted requests were lost while groups were added and drained:\n{summary}",
+        report.lost
+    );
+    ensure!(
+        peak_desired >= 3,
+        "the ramp to 3 req/s never asked for 3 groups:\n{summary}"
+    );
+    ensure!(
+        scaled.len() >= 3,
+        "expected Scaled events up and (stepwise) down, got {scaled:?}"
+    );
+    ensure!(
+        condition(&down, "ScalerConflict").is_some_and(|c| c["status"] == "False"),
+        "ScalerConflict before any autoscaler exists: {down}"
+    );
+
+    // Another autoscaler aimed at the object is reported, and the count stays ours.
+    let hpa: k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler = serde_json::from_value(
+        json!({
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "smollm2", "namespace": running.ns.name()},
+            "spec": {
+                "scaleTargetRef": {"apiVersion": "slipway.dev/v1alpha1", "kind": "InferenceService", "name": ISVC},
+                "minReplicas": 2,
+                "maxReplicas": 3,
+            },
+        }),
+    )?;
+    Api::<k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler>::namespaced(
+        running.ns.admin.clone(),
+        running.ns.name(),
+    )
+    .create(&Default::default(), &hpa)
+    .await?;
+    let conflict = running
+        .until(
+            "ScalerConflict naming the HPA",
+            Duration::from_secs(60),
+            |s| {
+                condition(s, "ScalerConflict")
+                    .filter(|c| c["status"] == "True")
+                    .and_then(|c| c["message"].as_str())
+                    .filter(|m| m.contains("HorizontalPodAutoscaler"))
+                    .map(|_| s.clone())
+            },
+        )
+        .await?;
+    ensure!(
+        conflict["replicas"]["desired"] == 1,
+        "the group count moved with the HPA: {conflict}"
+    );
     Ok(())
 }
