@@ -23,3 +23,7 @@ bench-e2e: ## a short real sweep against llama-server on the real model (summary
 
 bench-serving: ## Slipway vs llama-server: same model, threads, workloads (a, b: 50% shared prefix) and SLO; side-by-side table, ratios, plots (~25 min; QUICK=1 ~4 min)
 	bench/scripts/bench-serving
+
+.PHONY: bench-capacity
+bench-capacity: ## capacity from demand: one 3x ramp trace under static-at-peak, static-at-average and measured demand, with the operator's own decisions; group-seconds, SLO met, plot
+	$(CARGO) run --locked -p slipway-bench -- capacity --out "$(SLIPWAY_CACHE)/bench-results/capacity"

@@ -10,9 +10,12 @@
 //! - [`sse`]: the server-sent-events parser for OpenAI streams.
 //! - [`sweep`]: choosing offered rates and finding the goodput frontier.
 //! - [`report`]: tables and the `capacity.replicaGoodput` note; [`plot`]: SVG/PNG.
+//! - [`capacity`]: the operator's capacity decisions replayed over a load trace
+//!   (static at peak, static at average, measured demand).
 //! - I/O shells: [`client`] (HTTP/1.1 streaming) and [`runner`] (open/closed loop).
 
 pub mod arrival;
+pub mod capacity;
 pub mod client;
 pub mod plot;
 pub mod record;

@@ -290,3 +290,140 @@ pub fn plot_sweeps(
     }
     Ok(vec![svg, png])
 }
+
+/// The capacity comparison over time: offered demand and each configuration's live
+/// groups (top), and each configuration's SLO-met share per step (bottom).
+fn draw_capacity<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    results: &[crate::capacity::RunResult],
+    goodput: f64,
+    text: bool,
+) -> Result<(), String> {
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let (top, bottom) = root.split_vertically(root.dim_in_pixel().1 * 3 / 5);
+    let minutes = |t: f64| t / 60.0;
+    let x_max = results
+        .iter()
+        .flat_map(|r| r.timeline.last())
+        .map(|p| minutes(p.t))
+        .fold(1.0, f64::max);
+    let y_max = results
+        .iter()
+        .flat_map(|r| &r.timeline)
+        .map(|p| f64::from(p.live_groups).max(p.demand / goodput))
+        .fold(1.0, f64::max)
+        * 1.15;
+    let mut b = ChartBuilder::on(&top);
+    b.margin(12);
+    if text {
+        b.caption("Groups against demand", ("sans-serif", 20))
+            .x_label_area_size(36)
+            .y_label_area_size(60);
+    }
+    let mut chart = b
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+        .map_err(|e| e.to_string())?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc("minutes")
+            .y_desc("groups (demand in groups' goodput)")
+            .label_style(("sans-serif", 14));
+    }
+    mesh.draw().map_err(|e| e.to_string())?;
+    if let Some(first) = results.first() {
+        let demand = chart
+            .draw_series(LineSeries::new(
+                first
+                    .timeline
+                    .iter()
+                    .map(|p| (minutes(p.t), p.demand / goodput)),
+                BLACK.stroke_width(2),
+            ))
+            .map_err(|e| e.to_string())?;
+        if text {
+            demand
+                .label("demand / replicaGoodput")
+                .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+        }
+    }
+    for (i, r) in results.iter().enumerate() {
+        let style = COLORS[i % COLORS.len()].stroke_width(2);
+        let drawn = chart
+            .draw_series(LineSeries::new(
+                r.timeline
+                    .iter()
+                    .map(|p| (minutes(p.t), f64::from(p.live_groups))),
+                style,
+            ))
+            .map_err(|e| e.to_string())?;
+        if text {
+            drawn
+                .label(format!("{} (live groups)", r.name))
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(|e| e.to_string())?;
+    }
+    let mut b = ChartBuilder::on(&bottom);
+    b.margin(12);
+    if text {
+        b.caption("Share of requests meeting the SLO", ("sans-serif", 20))
+            .x_label_area_size(36)
+            .y_label_area_size(60);
+    }
+    let mut chart = b
+        .build_cartesian_2d(0.0..x_max, 0.0..1.05)
+        .map_err(|e| e.to_string())?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc("minutes")
+            .y_desc("SLO met")
+            .label_style(("sans-serif", 14));
+    }
+    mesh.draw().map_err(|e| e.to_string())?;
+    for (i, r) in results.iter().enumerate() {
+        chart
+            .draw_series(LineSeries::new(
+                r.timeline.iter().map(|p| (minutes(p.t), p.slo_met)),
+                COLORS[i % COLORS.len()].stroke_width(2),
+            ))
+            .map_err(|e| e.to_string())?;
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+/// Writes the capacity comparison to `stem.svg` and `stem.png`; returns both paths.
+///
+/// # Errors
+/// [`BenchError::Plot`] when drawing or writing a file fails.
+pub fn plot_capacity(
+    results: &[crate::capacity::RunResult],
+    goodput: f64,
+    stem: &Path,
+) -> Result<Vec<std::path::PathBuf>, BenchError> {
+    let text = font_ready();
+    let size = (1200, 800);
+    let svg = stem.with_extension("svg");
+    let png = stem.with_extension("png");
+    let err = |p: &Path| {
+        let path = p.display().to_string();
+        move |msg: String| BenchError::Plot { path, msg }
+    };
+    {
+        let root = SVGBackend::new(&svg, size).into_drawing_area();
+        draw_capacity(&root, results, goodput, text).map_err(err(&svg))?;
+    }
+    {
+        let root = BitMapBackend::new(&png, size).into_drawing_area();
+        draw_capacity(&root, results, goodput, text).map_err(err(&png))?;
+    }
+    Ok(vec![svg, png])
+}
