@@ -25,9 +25,9 @@ use slipway_api::InferenceService;
 use slipway_api::status::InferenceServiceStatus;
 use slipway_operator::demand::{self, DemandReading, RateHistory};
 use slipway_operator::observed::{Observed, ObservedNode, ObservedPod, Phase};
+use slipway_operator::plan;
 use slipway_operator::plan::{Child, ChildKind};
 use slipway_operator::rollout::source::{Counters, SampleStore};
-use slipway_operator::plan;
 
 use crate::BenchError;
 

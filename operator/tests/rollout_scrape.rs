@@ -1,10 +1,11 @@
-//! The `Scrape` metrics source against real `slipway-engine serve` processes on the
-//! real SmolLM2 model: a stable engine, and a canary engine with test-only fault
-//! injection (`--inject-delay-ms`) that breaks the TPOT target. The reader maps the
-//! "pod IPs" it is given to the engines' 127.0.0.1 ports (the test-only address map of
-//! `rollout::source`, standing in for the pod network), reads both releases' windows
-//! from `/metrics`, and analysis must abort the canary on its burn rate while stable
-//! burns nothing.
+//! The `Scrape` metrics source (rollout analysis and measured demand) against real
+//! `slipway-engine serve` processes on the real SmolLM2 model: a stable engine, and a
+//! canary engine with test-only fault injection (`--inject-delay-ms`) that breaks the
+//! TPOT target. The reader maps the "pod IPs" it is given to the engines' 127.0.0.1
+//! ports (the test-only address map of `rollout::source`, standing in for the pod
+//! network), reads both releases' windows from `/metrics`, and analysis must abort the
+//! canary on its burn rate while stable burns nothing. Measured demand reads one
+//! engine's request and token counters the same way.
 //!
 //! Needs the engine binary (built by the workspace tests, or `SLIPWAY_ENGINE_BIN`) and
 //! the model (`make model`, or `SLIPWAY_MODEL`); a missing one fails with instructions.
@@ -226,4 +227,76 @@ async fn the_next_canary_reusing_a_pod_name_is_read_from_its_own_pod() {
         .unwrap_or_else(|| panic!("the new canary has samples: {reading:?}"));
     assert_eq!(canary.long.eligible, REQUESTS as f64, "{reading:?}");
     assert!(!canary.long.partial, "seen from zero: {reading:?}");
+}
+
+/// Measured demand reads the same real engine's counters: every request that ended
+/// (requests/s) and the tokens it generated (tokens/s), through the operator's own
+/// scrape of `/metrics`, from a first sample at zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measured_demand_reads_a_real_engines_requests_and_tokens() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
+    use slipway_api::spec::{CapacitySpec, DemandUnit, MetricsSource};
+    use slipway_operator::demand::DemandReader;
+
+    let engine = start_engine("demand0001", &[]);
+    let reader = DemandReader::with_address_map(HashMap::from([(
+        "10.0.0.9".to_owned(),
+        engine.address().to_owned(),
+    )]));
+    let targets = [Target {
+        pod: "svc-g0-r0".to_owned(),
+        uid: "uid-demand".to_owned(),
+        ip: "10.0.0.9".to_owned(),
+        release: "demand0001".to_owned(),
+    }];
+    let spec = |unit: DemandUnit| -> CapacitySpec {
+        let mut spec: CapacitySpec = serde_json::from_value(serde_json::json!({
+            // Read every 5 s; the test's requests all fall in one 20 s window.
+            "demand": {"measured": {"rateWindow": "20s", "peakWindow": "1m"}},
+            "replicaGoodput": 1.0,
+        }))
+        .expect("capacity spec");
+        spec.demand_unit = unit;
+        spec
+    };
+    let now = || Time(Timestamp::now());
+    let metrics = MetricsSource::default();
+    let (requests, tokens) = (
+        spec(DemandUnit::RequestsPerSecond),
+        spec(DemandUnit::OutputTokensPerSecond),
+    );
+    let first = reader
+        .read("ml/req", &requests, &metrics, &targets, &now())
+        .await
+        .expect("measured");
+    assert_eq!((first.current, first.missing.as_deref()), (0.0, None));
+    reader
+        .read("ml/tok", &tokens, &metrics, &targets, &now())
+        .await
+        .expect("measured");
+    let http = reqwest::Client::new();
+    for _ in 0..6 {
+        complete(&http, engine.address()).await;
+    }
+    tokio::time::sleep(Duration::from_millis(5100)).await;
+    let reading = reader
+        .read("ml/req", &requests, &metrics, &targets, &now())
+        .await
+        .expect("measured");
+    assert_eq!(reading.missing, None, "{reading:?}");
+    assert!(
+        (reading.current - 6.0 / 20.0).abs() < 1e-9,
+        "6 requests in a 20 s window: {reading:?}"
+    );
+    assert_eq!(reading.peak, reading.current);
+    assert_eq!(reading.source, "scrape of 1 engine pod");
+    let reading = reader
+        .read("ml/tok", &tokens, &metrics, &targets, &now())
+        .await
+        .expect("measured");
+    assert!(
+        (reading.current - 36.0 / 20.0).abs() < 1e-9,
+        "6 × 6 generated tokens in a 20 s window: {reading:?}"
+    );
 }
