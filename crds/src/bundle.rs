@@ -151,7 +151,7 @@ release:
     fn unchanged_by_fields_outside_the_bundle() {
         let mut other = spec(BASE);
         other.rollout.steps[0].pause = Some("1h".to_owned());
-        other.capacity.demand = crate::spec::DemandSpec::fixed(99.0);
+        other.capacity.demand.static_peak = Some(99.0);
         other.drain.pre_stop_delay_seconds = 30;
         assert_eq!(
             bundle_hash(&spec(BASE).release),

@@ -396,17 +396,6 @@ pub struct DemandSpec {
     pub measured: Option<MeasuredDemand>,
 }
 
-impl DemandSpec {
-    /// A static demand only.
-    #[must_use]
-    pub fn fixed(peak: f64) -> Self {
-        Self {
-            static_peak: Some(peak),
-            measured: None,
-        }
-    }
-}
-
 /// How demand is measured and turned into a group count. The current rate is the
 /// arrival rate over `rateWindow`, read every quarter of it; `D_peak` is the highest
 /// current rate over `peakWindow`, plus `headroom`. More groups are asked for at once

@@ -96,14 +96,13 @@ impl Counters {
         }
     }
 
-    fn minus(self, other: Self) -> Self {
-        Self {
-            good: self.good - other.good,
-            eligible: self.eligible - other.eligible,
-            requests: self.requests - other.requests,
-            rejected: self.rejected - other.rejected,
-            generated_tokens: self.generated_tokens - other.generated_tokens,
-        }
+    /// Whether any counter went down since `old`: the process restarted.
+    fn reset_since(self, old: Self) -> bool {
+        self.good < old.good
+            || self.eligible < old.eligible
+            || self.requests < old.requests
+            || self.rejected < old.rejected
+            || self.generated_tokens < old.generated_tokens
     }
 
     fn scaled(self, by: f64) -> Self {
@@ -319,12 +318,15 @@ impl SampleStore {
             for (i, (at, now)) in samples.iter().enumerate().skip(base + 1) {
                 let mut increase = now.increase_since(previous);
                 let before = samples[i - 1].0;
-                if interpolate && i == base + 1 && before < start && *at > before {
-                    let reset = now.increase_since(previous) != now.minus(previous);
-                    if !reset {
-                        // Only the part of this interval inside the window counts.
-                        increase = increase.scaled((at - start) / (at - before));
-                    }
+                // Only the part of the first interval inside the window counts (unless
+                // the counter reset in it: then where it stood at the start is unknown).
+                if interpolate
+                    && i == base + 1
+                    && before < start
+                    && *at > before
+                    && !now.reset_since(previous)
+                {
+                    increase = increase.scaled((at - start) / (at - before));
                 }
                 out = out.plus(increase);
                 previous = *now;
