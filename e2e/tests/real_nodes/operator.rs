@@ -476,8 +476,8 @@ async fn service_load(
                     .send()
                     .await
                     .map(|r| r.status());
-                // The body is read by `send` for a non-streamed response's status only;
-                // the engine answers when it finished generating.
+                // A non-streamed completion's headers come when generation ends, so
+                // the time to `send`'s return is the request's E2E latency.
                 let slot = match status {
                     Ok(s) if s.is_success() => {
                         if sent.elapsed() <= slo_e2e {
