@@ -9,6 +9,8 @@
 //! - [`drain`]: the termination grace period and the engine's shutdown budget.
 //! - [`bundle`]: the release-bundle hash that labels every object of a release.
 //! - [`duration`]: the Go-style duration strings (`"30s"`, `"1h30m"`) the spec uses.
+//! - [`slo`]: the error-budget burn rate and the multi-window burn-rate tiers the
+//!   canary analysis and the generated Prometheus alerts share.
 //!
 //! This crate does no I/O: no client, no runtime, no clock. Everything here is a plain
 //! function over plain data so the operator's decisions can be tested as tables.
@@ -17,6 +19,7 @@ pub mod bundle;
 pub mod capacity;
 pub mod drain;
 pub mod duration;
+pub mod slo;
 pub mod spec;
 pub mod status;
 

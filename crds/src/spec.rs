@@ -562,7 +562,7 @@ fn default_tpot() -> LatencyTarget {
 }
 
 fn default_availability() -> f64 {
-    0.999
+    crate::slo::DEFAULT_AVAILABILITY
 }
 
 fn default_slo_window() -> String {
@@ -777,7 +777,7 @@ fn default_long_window() -> String {
 }
 
 fn default_burn_rate() -> f64 {
-    14.4
+    crate::slo::FAST_BURN.burn_rate
 }
 
 fn default_min_requests() -> i32 {

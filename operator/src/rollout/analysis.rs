@@ -5,7 +5,8 @@
 //!   (the server failed the user) and good = `slipway_requests_slo_met_total`
 //!   (rejected_429 and cancelled requests are not eligible: the tenant or the client
 //!   chose them).
-//! - Burn rate = (1 − SLI) / (1 − objective), objective = `slo.availability`. Burn 1
+//! - Burn rate = (1 − SLI) / (1 − objective), objective = `slo.availability`
+//!   ([`slipway_api::slo`], shared with the generated Prometheus alerts). Burn 1
 //!   spends the budget exactly over the SLO period; 14.4 spends a 30-day budget's 2 %
 //!   in an hour.
 //! - **Abort** when the short window burns above `shortBurnRateThreshold` *and* the
@@ -110,11 +111,12 @@ pub enum Verdict {
 
 /// Error-budget burn rate of a window: (1 − SLI) / (1 − objective); 0 without
 /// requests (no evidence is handled as inconclusive before this is used).
+/// The arithmetic is [`slipway_api::slo::burn_rate`], which the generated Prometheus
+/// alerts (`manifests/monitoring/`) share.
 pub fn burn_rate(counts: &WindowCounts, objective: f64) -> f64 {
-    let budget = (1.0 - objective).max(f64::MIN_POSITIVE);
     counts
         .sli()
-        .map_or(0.0, |sli| ((1.0 - sli) / budget).max(0.0))
+        .map_or(0.0, |sli| slipway_api::slo::burn_rate(sli, objective))
 }
 
 /// One-sided two-proportion z statistic for "the canary's bad share is higher than
