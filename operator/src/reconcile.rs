@@ -32,7 +32,7 @@ use tracing::{info, warn};
 use crate::demand::DemandReader;
 use crate::error::Error;
 use crate::labels;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ServiceGauges};
 use crate::observed::{self, Observed};
 use crate::plan::{self, Child, ChildKind, EventType as PlannedType, Plan};
 use crate::rollout;
@@ -149,6 +149,9 @@ pub async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result
 async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Action, Error> {
     if isvc.metadata.deletion_timestamp.is_some() {
         // Owner references let the garbage collector take the children.
+        if let Some(namespace) = isvc.namespace() {
+            ctx.metrics.forget_service(&namespace, &isvc.name_any());
+        }
         return Ok(Action::await_change());
     }
     let namespace = isvc
@@ -204,6 +207,17 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
             warn!(%error, %name, %namespace, reason = event.reason, "could not record event");
         }
     }
+    let rollbacks = plan
+        .events
+        .iter()
+        .filter(|e| e.reason == rollout::ROLLED_BACK_EVENT)
+        .count();
+    ctx.metrics.observe_service(
+        &namespace,
+        &name,
+        ServiceGauges::from_status(&plan.status, isvc.spec.slo.availability),
+        rollbacks as u64,
+    );
     if !plan.apply.is_empty() || !plan.delete.is_empty() || !plan.events.is_empty() {
         info!(
             %name,

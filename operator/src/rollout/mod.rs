@@ -39,6 +39,9 @@ use slipway_api::status::{CanaryStatus, HoldGate, RollbackRecord, RolloutHold};
 use crate::plan::{EventType, PlannedEvent};
 use analysis::{MetricsReading, Thresholds, Verdict, judge};
 
+/// The reason of the event a rollback emits (the operator counts rollbacks by it).
+pub const ROLLED_BACK_EVENT: &str = "RolledBack";
+
 /// Most remembered failed releases (the CRD's bound); the oldest are forgotten first.
 pub const MAX_FAILED_RELEASES: usize = 64;
 
@@ -492,7 +495,7 @@ fn rollback(
     });
     events.push(PlannedEvent {
         type_: EventType::Warning,
-        reason: "RolledBack",
+        reason: ROLLED_BACK_EVENT,
         note: format!("rolled back {} to {}: {reason}", input.target, input.stable),
     });
     steady(input, state, events)
