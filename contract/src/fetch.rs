@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
+use crate::telemetry::LogArgs;
 use crate::units::{format_millis, parse_millis};
 
 /// A sha256 digest, written as 64 hex digits (either case) on the command line and
@@ -73,6 +74,9 @@ pub struct FetchArgs {
     /// First backoff delay in ms; it doubles per consecutive failure, up to 30 s.
     #[arg(long = "backoff-ms", value_name = "MS", default_value = "1000", value_parser = parse_millis)]
     pub backoff: Duration,
+    /// Log line format.
+    #[command(flatten)]
+    pub logs: LogArgs,
 }
 
 impl FetchArgs {
@@ -87,6 +91,7 @@ impl FetchArgs {
             stall_timeout: Duration::from_secs(60),
             retries: 5,
             backoff: Duration::from_secs(1),
+            logs: LogArgs::default(),
         }
     }
 
@@ -103,9 +108,10 @@ impl FetchArgs {
             stall_timeout,
             retries,
             backoff,
+            logs,
         } = self;
         // `--flag=value`, as `serve`'s: a value starting with '-' is never a flag.
-        vec![
+        let mut out = vec![
             url.clone(),
             format!("--sha256={sha256}"),
             format!("--dest={}", dest.display()),
@@ -113,6 +119,8 @@ impl FetchArgs {
             format!("--stall-timeout-ms={}", format_millis(*stall_timeout)),
             format!("--retries={retries}"),
             format!("--backoff-ms={}", format_millis(*backoff)),
-        ]
+        ];
+        out.extend(logs.to_args());
+        out
     }
 }

@@ -22,12 +22,14 @@
 pub mod fetch;
 pub mod metrics;
 pub mod serve;
+pub mod telemetry;
 pub mod units;
 
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
 #[cfg(feature = "fault-injection")]
 pub use serve::FaultArgs;
 pub use serve::{DeviceChoice, ServeArgs};
+pub use telemetry::{LogArgs, LogFormat, TelemetryArgs};
 
 /// The port the engine serves HTTP on inside a pod (`serve --port`).
 pub const ENGINE_PORT: u16 = 8000;

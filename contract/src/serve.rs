@@ -13,6 +13,9 @@ use std::time::Duration;
 use clap::{Args, FromArgMatches as _, ValueEnum};
 
 use crate::fetch::Sha256Digest;
+use crate::telemetry::TelemetryArgs;
+#[cfg(feature = "fault-injection")]
+use crate::units::parse_fraction;
 use crate::units::{format_millis, parse_millis, parse_size};
 
 /// Which backend to run on (`serve --device`).
@@ -162,6 +165,9 @@ pub struct ServeArgs {
     /// GPU ordinal for `--device cuda|auto` [default: 0].
     #[arg(long, value_name = "ORDINAL")]
     pub gpu: Option<usize>,
+    /// Logs and request traces.
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
     /// Test-only fault injection (`fault-injection` builds only).
     #[cfg(feature = "fault-injection")]
     #[command(flatten)]
@@ -247,6 +253,7 @@ impl ServeArgs {
             threads,
             device,
             gpu,
+            telemetry,
             #[cfg(feature = "fault-injection")]
             faults,
         } = self;
@@ -313,6 +320,7 @@ impl ServeArgs {
                 flag("inject-seed", inject_seed.to_string());
             }
         }
+        out.extend(telemetry.to_args());
         out
     }
 }
@@ -321,13 +329,5 @@ fn parse_positive(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
         _ => Err(format!("`{s}` is not a positive number")),
-    }
-}
-
-#[cfg(feature = "fault-injection")]
-fn parse_fraction(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
-        _ => Err(format!("`{s}` is not a fraction in [0, 1]")),
     }
 }

@@ -63,7 +63,7 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
         ],
         proptest::option::of(0usize..16),
     );
-    (identity, limits, memory).prop_map(
+    (identity, limits, memory, telemetry_args()).prop_map(
         |(
             (model, model_sha256, ip, port, served_model_name, release, kv_namespace),
             (
@@ -86,6 +86,7 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
                 device,
                 gpu,
             ),
+            telemetry,
         )| ServeArgs {
             model: PathBuf::from(model),
             model_sha256,
@@ -112,6 +113,7 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
             threads,
             device,
             gpu,
+            telemetry,
             #[cfg(feature = "fault-injection")]
             faults: FaultArgs {
                 inject_delay: Duration::from_millis(u64::from(port % 300)),
@@ -120,6 +122,24 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
             },
         },
     )
+}
+
+fn log_args() -> impl Strategy<Value = LogArgs> {
+    proptest::option::of(prop_oneof![Just(LogFormat::Text), Just(LogFormat::Json)])
+        .prop_map(|log_format| LogArgs { log_format })
+}
+
+fn telemetry_args() -> impl Strategy<Value = TelemetryArgs> {
+    (
+        log_args(),
+        proptest::option::of("https?://[a-z0-9.-]{1,20}(:[0-9]{1,5})?(/[a-z]{0,8})?"),
+        0.0f64..=1.0,
+    )
+        .prop_map(|(logs, otlp_endpoint, trace_sample_ratio)| TelemetryArgs {
+            logs,
+            otlp_endpoint,
+            trace_sample_ratio,
+        })
 }
 
 proptest! {
@@ -137,6 +157,7 @@ proptest! {
         stall_timeout in millis(),
         retries in any::<u32>(),
         backoff in millis(),
+        logs in log_args(),
     ) {
         let command = EngineCommand::Fetch(FetchArgs {
             url: "https://models.example/m.gguf?sig=-x".to_owned(),
@@ -146,6 +167,7 @@ proptest! {
             stall_timeout,
             retries,
             backoff,
+            logs,
         });
         prop_assert_eq!(parse(command.to_args()), command);
     }
@@ -211,4 +233,42 @@ fn fault_flags_appear_only_when_on() {
         .expect("a test build knows the flag");
     assert_eq!(slow.faults.inject_delay, Duration::from_millis(150));
     assert!(slow.to_args().contains(&"--inject-delay-ms=150".to_owned()));
+}
+
+#[test]
+fn log_format_defaults_to_json_off_a_terminal() {
+    assert_eq!(LogFormat::resolve(None, false), LogFormat::Json);
+    assert_eq!(LogFormat::resolve(None, true), LogFormat::Text);
+    assert_eq!(
+        LogFormat::resolve(Some(LogFormat::Text), false),
+        LogFormat::Text
+    );
+    assert_eq!(
+        LogFormat::resolve(Some(LogFormat::Json), true),
+        LogFormat::Json
+    );
+}
+
+#[test]
+fn otlp_endpoint_must_be_an_http_url() {
+    for bad in ["collector:4318", "ftp://x", "http://", "https:///v1"] {
+        let mut argv = vec!["serve".to_owned(), "--model=/m.gguf".to_owned()];
+        argv.push(format!("--otlp-endpoint={bad}"));
+        assert!(
+            EngineCommand::parse_args(argv).is_err(),
+            "{bad} was accepted"
+        );
+    }
+    let args = ServeArgs::for_model("/m.gguf")
+        .expect("defaults")
+        .with_extra_args(&[
+            "--otlp-endpoint=http://jaeger:4318",
+            "--trace-sample-ratio=0.25",
+        ])
+        .expect("valid");
+    assert_eq!(
+        args.telemetry.otlp_endpoint.as_deref(),
+        Some("http://jaeger:4318")
+    );
+    assert!((args.telemetry.trace_sample_ratio - 0.25).abs() < f64::EPSILON);
 }

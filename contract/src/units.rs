@@ -90,3 +90,14 @@ mod tests {
         assert_eq!(format_millis(Duration::from_micros(1500)), "2");
     }
 }
+
+/// A fraction in [0, 1].
+///
+/// # Errors
+/// A message naming the value.
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a fraction in [0, 1]")),
+    }
+}
