@@ -8,9 +8,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use slipway_contract::LogArgs;
+use slipway_contract::telemetry::parse_http_url;
 use slipway_operator::leader::{Elector, LeaseConfig};
 use slipway_operator::metrics::{self, Metrics};
 use slipway_operator::reconcile::{self, Context};
+use slipway_telemetry::Telemetry;
 use tokio::sync::watch;
 use tracing::{error, info};
 
@@ -39,18 +42,19 @@ struct Args {
     /// Seconds between renewals and acquisition attempts.
     #[arg(long, default_value_t = 2)]
     lease_retry_seconds: u64,
+    #[command(flatten)]
+    logs: LogArgs,
+    /// OTLP/HTTP collector (base URL, e.g. http://collector:4318) that the engine
+    /// pods this operator renders export request traces to. Unset: engines export
+    /// none. One InferenceService can still choose its own in `release.engine.args`.
+    #[arg(long, value_name = "URL", value_parser = parse_http_url)]
+    otlp_endpoint: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .json()
-        .init();
     let args = Args::parse();
+    let _telemetry = Telemetry::init("slipway-operator", args.logs.log_format, "info", None)?;
     let identity = args.identity.clone().unwrap_or_else(|| {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "operator".to_owned());
         format!("{host}-{}", std::process::id())
@@ -99,7 +103,10 @@ async fn main() -> anyhow::Result<()> {
     }
     metrics.set_leader(true);
 
-    let ctx = Arc::new(Context::new(client, elector.identity(), metrics.clone()));
+    let ctx = Arc::new(Context {
+        engine_otlp_endpoint: args.otlp_endpoint.clone(),
+        ..Context::new(client, elector.identity(), metrics.clone())
+    });
     let mut controller_stop = stop_rx.clone();
     let (lost_tx, mut lost_rx) = watch::channel(false);
     let controller = tokio::spawn(reconcile::run(ctx, args.namespace.clone(), async move {

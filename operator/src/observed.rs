@@ -50,6 +50,10 @@ pub struct Observed {
     /// Other autoscalers that target this InferenceService, as "Kind namespace/name".
     #[serde(default)]
     pub external_scalers: Vec<String>,
+    /// Not read from the cluster: the operator's own `--otlp-endpoint`, where the
+    /// engine pods it renders export request traces.
+    #[serde(default)]
+    pub engine_otlp_endpoint: Option<String>,
 }
 
 /// The pod phase, as far as groups care.

@@ -154,6 +154,8 @@ pub struct Context<'a> {
     pub model: ModelStaging,
     /// The engine container's `serve` arguments (user's extras merged and checked).
     pub serve: ServeArgs,
+    /// Where engines export request traces (the operator's `--otlp-endpoint`).
+    pub engine_otlp_endpoint: Option<&'a str>,
 }
 
 /// What happens to one group in this plan.
@@ -231,6 +233,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
             &kv_namespace,
             &model,
             &drain,
+            observed.engine_otlp_endpoint.as_deref(),
         )?;
         Ok((shape, capacity, drain, model, kv_namespace, serve))
     })();
@@ -265,6 +268,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
         drain,
         model,
         serve,
+        engine_otlp_endpoint: observed.engine_otlp_endpoint.as_deref(),
     };
     let stable_ctx = if stable == ctx.release {
         Some(ctx.clone())
@@ -336,7 +340,16 @@ fn release_context<'a>(
         .unwrap_or_else(|| format!("release-{release}"));
     // Its own drain budget: maxOutputTokens is part of the bundle.
     let drain = drain_budget(&DrainInput::from_spec(spec).ok()?);
-    let serve = serve_args(base.name, spec, release, &kv_namespace, &model, &drain).ok()?;
+    let serve = serve_args(
+        base.name,
+        spec,
+        release,
+        &kv_namespace,
+        &model,
+        &drain,
+        base.engine_otlp_endpoint,
+    )
+    .ok()?;
     Some(Context {
         spec,
         release,

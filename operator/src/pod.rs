@@ -38,7 +38,10 @@ use sha2::{Digest, Sha256};
 use slipway_api::drain::DrainBudget;
 use slipway_api::duration;
 use slipway_api::spec::{Device, InferenceServiceSpec};
-use slipway_contract::{DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, ServeArgs, paths};
+use slipway_contract::{
+    DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, LogArgs, LogFormat, ServeArgs,
+    TelemetryArgs, paths,
+};
 
 use crate::groups::PodShape;
 use crate::labels;
@@ -184,7 +187,12 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
                 empty_dir: Some(EmptyDirVolumeSource::default()),
                 ..Volume::default()
             });
-            let fetch = FetchArgs::new(url.clone(), *sha256, ctx.model.engine_path());
+            let fetch = FetchArgs {
+                logs: LogArgs {
+                    log_format: Some(LogFormat::Json),
+                },
+                ..FetchArgs::new(url.clone(), *sha256, ctx.model.engine_path())
+            };
             init_containers.push(Container {
                 name: "fetch-model".to_owned(),
                 image: Some(spec.release.engine.image.clone()),
@@ -380,6 +388,7 @@ pub fn serve_args(
     kv_namespace: &str,
     model: &ModelStaging,
     drain: &DrainBudget,
+    otlp_endpoint: Option<&str>,
 ) -> Result<ServeArgs, String> {
     let engine = &spec.release.engine;
     let defaults = ServeArgs::for_model(model.engine_path())
@@ -418,6 +427,15 @@ pub fn serve_args(
         device: match engine.device {
             Device::Cpu => DeviceChoice::Cpu,
             Device::Cuda => DeviceChoice::Cuda,
+        },
+        // JSON lines for the cluster's log collector; the user's args may still
+        // choose text, or send one service's traces elsewhere.
+        telemetry: TelemetryArgs {
+            logs: LogArgs {
+                log_format: Some(LogFormat::Json),
+            },
+            otlp_endpoint: otlp_endpoint.map(str::to_owned),
+            ..defaults.telemetry.clone()
         },
         ..defaults
     };

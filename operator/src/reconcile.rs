@@ -51,6 +51,8 @@ pub struct Context {
     pub rollout_metrics: rollout::source::Reader,
     /// Reads measured demand (its samples and rate history live here).
     pub demand: DemandReader,
+    /// Where engine pods export request traces (`--otlp-endpoint`).
+    pub engine_otlp_endpoint: Option<String>,
 }
 
 impl Context {
@@ -65,6 +67,7 @@ impl Context {
             metrics,
             rollout_metrics: rollout::source::Reader::new(),
             demand: DemandReader::new(),
+            engine_otlp_endpoint: None,
         }
     }
 }
@@ -161,6 +164,9 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     let mut observed = observe(&ctx.client, &namespace, &name).await?;
     observed.metrics = read_rollout_metrics(isvc, &observed, ctx, &namespace, &name).await;
     observed.external_scalers = external_scalers(&ctx.client, &namespace, &name).await;
+    observed
+        .engine_otlp_endpoint
+        .clone_from(&ctx.engine_otlp_endpoint);
     // Whole seconds: what the API server stores, so an unchanged status compares equal.
     let now =
         Time(Timestamp::from_second(Timestamp::now().as_second()).unwrap_or(Timestamp::UNIX_EPOCH));
