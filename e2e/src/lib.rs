@@ -17,6 +17,8 @@
 //! - [`real_nodes`] finds the real nodes (kubelet + containerd), places pods on
 //!   them, signals their containers, stops their kubelets, and gives pods the
 //!   model through a claim.
+//! - [`packaging`] renders the Helm chart and the kustomization (`manifests/`) and
+//!   compares their objects.
 //!
 //! Invariant: nothing here listens on anything but 127.0.0.1 or inside the
 //! network namespaces the harness creates, and nothing here silently skips — a
@@ -29,6 +31,7 @@ pub mod crd;
 mod error;
 pub mod manifests;
 mod namespace;
+pub mod packaging;
 pub mod rbac;
 pub mod real_nodes;
 pub mod sockets;

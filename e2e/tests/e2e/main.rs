@@ -9,6 +9,7 @@
 
 mod control_plane;
 mod crd_validation;
+mod packaging;
 mod rbac;
 mod scheduling;
 mod support;
@@ -44,6 +45,12 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         scheduling::fake_nodes_span_three_zones_with_nvlink_domains,
         control_plane::every_component_listens_on_loopback_only,
         rbac::operator_identity_is_denied_outside_its_role_and_audited,
+        packaging::chart_passes_helm_lint_strict,
+        packaging::kustomization_is_accepted_by_a_server_side_dry_run,
+        packaging::chart_is_accepted_by_a_server_side_dry_run,
+        packaging::chart_renders_the_kustomizations_objects,
+        packaging::chart_values_reach_the_operator_deployment,
+        packaging::monitoring_renders_manifests_monitoring,
     ]
 }
 
