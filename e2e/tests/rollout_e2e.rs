@@ -21,6 +21,12 @@
 //!    inconclusive at step 0 under `Hold`, and rolled back once `RollbackAfter`'s
 //!    timeout has passed; it is never promoted.
 //!
+//! Prometheus also scrapes the operator and loads the generated SLO rules
+//! (`manifests/monitoring/slo-rules.yaml`). Once the healthy bundle is promoted, with
+//! load still running, every query of every panel of the generated dashboard
+//! (`manifests/monitoring/dashboard.json`) must return series; the count of each is
+//! written to [`PANELS_REPORT`].
+//!
 //! The operator's event recorder folds exact repeats of an event into one event's
 //! series (count), so events are counted by summing counts.
 //!
@@ -62,6 +68,8 @@ const BAD_DELAY_MS: u64 = 600;
 const RATE: f64 = 3.0;
 /// Where the rolled-back status and the event list are written for the report.
 const REPORT: &str = "/tmp/rollout-e2e-rolledback.txt";
+/// Where each dashboard query and the series it returned are written.
+const PANELS_REPORT: &str = "/tmp/rollout-e2e-dashboard-panels.txt";
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -283,23 +291,44 @@ fn start_load(tools: &Tools, logs: &Path, name: &str, port: u16) -> anyhow::Resu
     )
 }
 
-/// Prometheus on 127.0.0.1:`port`, scraping the engine ports every second.
+/// The generated monitoring manifests (SLO rules, dashboard).
+fn monitoring_dir() -> PathBuf {
+    manifests::repo_root().join("manifests").join("monitoring")
+}
+
+/// Prometheus on 127.0.0.1:`port`, scraping the engine ports and the operator's
+/// metrics port every second and evaluating the generated SLO rules.
 fn start_prometheus(
     tools: &Tools,
     logs: &Path,
     port: u16,
     targets: &[u16],
+    operator_port: u16,
 ) -> anyhow::Result<Process> {
     let dir = logs.join("prometheus");
     std::fs::create_dir_all(&dir)?;
     let targets: Vec<String> = targets.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let rules = monitoring_dir().join("slo-rules.yaml");
+    ensure!(
+        rules.is_file(),
+        "{} is missing: run `make generate`",
+        rules.display()
+    );
     let config = json!({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [rules],
         "scrape_configs": [{
             "job_name": "slipway-engine",
             "scrape_interval": "1s",
             "scrape_timeout": "900ms",
             "static_configs": [{"targets": targets}],
+        }, {
+            "job_name": "slipway-operator",
+            "scrape_interval": "1s",
+            "scrape_timeout": "900ms",
+            // The operator's per-service series carry `namespace`: keep it.
+            "honor_labels": true,
+            "static_configs": [{"targets": [format!("127.0.0.1:{operator_port}")]}],
         }],
     });
     let config_path = dir.join("prometheus.yml");
@@ -335,6 +364,98 @@ async fn promql(http: &reqwest::Client, url: &str, query: &str) -> anyhow::Resul
                 .sum()
         })
         .unwrap_or(0.0))
+}
+
+/// The instant vector of `query`: how many series it returned and how many of them
+/// hold a number (a ratio of zero rates is NaN, still a series).
+async fn promql_series(
+    http: &reqwest::Client,
+    url: &str,
+    query: &str,
+) -> anyhow::Result<(usize, usize)> {
+    let body: Value = http
+        .get(format!("{url}/api/v1/query"))
+        .query(&[("query", query)])
+        .send()
+        .await?
+        .json()
+        .await?;
+    ensure!(body["status"] == "success", "query {query} failed: {body}");
+    let result = body["data"]["result"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let numbers = result
+        .iter()
+        .filter(|s| {
+            s["value"][1]
+                .as_str()
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_some_and(f64::is_finite)
+        })
+        .count();
+    Ok((result.len(), numbers))
+}
+
+/// Every query of every panel of the generated dashboard, with its template
+/// variables as the dashboard's "All" (`.*`) and its intervals as fixed windows, runs
+/// against Prometheus until it returns series (at most 60 s for all of them: the rules'
+/// windows and the scrapes fill within seconds once load runs). Writes
+/// [`PANELS_REPORT`] and fails naming every query that returned nothing.
+async fn dashboard_panels_return_series(http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
+    let path = monitoring_dir().join("dashboard.json");
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", path.display()))?;
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().context("dashboard panels")? {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().context("a target without expr")?;
+            let title = panel["title"].as_str().unwrap_or_default();
+            let legend = target["legendFormat"].as_str().unwrap_or_default();
+            let query = expr
+                .replace("$__rate_interval", "30s")
+                .replace("$__range", "1h")
+                .replace("$release", ".*")
+                .replace("$namespace", ".*")
+                .replace("$inferenceservice", ".*");
+            queries.push((format!("{title} [{legend}]"), query));
+        }
+    }
+    ensure!(!queries.is_empty(), "{} has no queries", path.display());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut results = vec![(0, 0); queries.len()];
+    loop {
+        for ((_, query), result) in queries.iter().zip(results.iter_mut()) {
+            if result.0 == 0 {
+                *result = promql_series(http, url, query).await?;
+            }
+        }
+        if results.iter().all(|r| r.0 > 0) || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let mut text = format!(
+        "# dashboard panel queries against the e2e Prometheus ({url}): series returned (with a number), panel [legend], query\n"
+    );
+    for ((name, query), (series, numbers)) in queries.iter().zip(&results) {
+        text.push_str(&format!("{series}\t({numbers})\t{name}\t{query}\n"));
+    }
+    std::fs::write(PANELS_REPORT, &text).with_context(|| format!("writing {PANELS_REPORT}"))?;
+    eprintln!("{text}");
+    let empty: Vec<&str> = queries
+        .iter()
+        .zip(&results)
+        .filter(|(_, r)| r.0 == 0)
+        .map(|((name, _), _)| name.as_str())
+        .collect();
+    ensure!(
+        empty.is_empty(),
+        "dashboard queries returned no series after 60 s: {empty:?}; see {PANELS_REPORT}"
+    );
+    Ok(())
 }
 
 /// Eligible requests of `release` in the short window, as the operator's query counts them.
@@ -486,7 +607,8 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
 
     // Ports first, so Prometheus's static targets name every engine up front (a
     // canary's target is simply down until its engine starts).
-    let (stable_port, bad_port, good_port, quiet_port, prom_port) = (
+    let (stable_port, bad_port, good_port, quiet_port, prom_port, operator_port) = (
+        free_port()?,
         free_port()?,
         free_port()?,
         free_port()?,
@@ -498,6 +620,7 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
         &logs,
         prom_port,
         &[stable_port, bad_port, good_port, quiet_port],
+        operator_port,
     )?;
     let prom_url = format!("http://127.0.0.1:{prom_port}");
 
@@ -507,7 +630,8 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
             .env("KUBECONFIG", identity.kubeconfig())
             .env("RUST_LOG", "info,slipway_operator=debug")
             .args(["--namespace", &ns, "--lease-namespace", &ns])
-            .args(["--identity", "rollout-e2e", "--metrics-addr", "127.0.0.1:0"])
+            .args(["--identity", "rollout-e2e", "--metrics-addr"])
+            .arg(format!("127.0.0.1:{operator_port}"))
             .args([
                 "--lease-duration-seconds",
                 "6",
@@ -750,6 +874,8 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
             .any(|e| e.reason == "Promoted" && e.note.contains(&h3)),
         "no Promoted event for {h3}: {events:?}"
     );
+    // Every dashboard panel has data while load runs: engines, rules and operator.
+    dashboard_panels_return_series(&http, &prom_url).await?;
     drop((good_load, stable_load));
 
     // --- Too little traffic: Hold holds, RollbackAfter rolls back; never promotes. ---
