@@ -10,7 +10,7 @@
 //! | `over`       | 1.05B                                                    | yes   |
 //! | `under`      | 0.95B                                                    | no    |
 //! | `short_only` | healthy, then 3B for the last S + 2m (long window < B)   | no    |
-//! | `long_only`  | 2B until L − S, healthy since (short window at 0)        | at L − S, not at L + S |
+//! | `long_only`  | 2B until L − S, 0.5B since (long window > B, short < B)  | at L − S, not at L + S |
 //! | `excluded`   | healthy, plus as many 429s and cancellations (not eligible) | no |
 //! | `lenient`    | 2B against 0.999, but its operator reports objective 0.99 | no   |
 //! | `strict`     | 0.5B against 0.999, but its operator reports 0.9999 (5B) | yes   |
@@ -221,9 +221,10 @@ fn cases(tier: &BurnRateTier) -> Vec<Case> {
         },
         Case {
             release: "long_only",
+            // Recovered to 0.5B, not to 0: the short window's own threshold silences it.
             phases: vec![
                 (l - s, Mix::burning(2.0 * b, Bad::Slow)),
-                (2 * s, Mix::healthy()),
+                (2 * s, Mix::burning(0.5 * b, Bad::Slow)),
             ],
             objective: None,
         },

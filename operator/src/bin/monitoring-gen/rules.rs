@@ -137,14 +137,9 @@ pub fn eligible_regex() -> String {
 #[must_use]
 pub fn rule_file() -> RuleFile {
     let by = format!("{MODEL_LABEL}, {RELEASE_LABEL}");
-    let mut rules = vec![Rule::Record {
-        record: OBJECTIVE.to_owned(),
-        expr: format!(
-            "max by ({RELEASE_LABEL}) ({SLO_OBJECTIVE}) or on ({RELEASE_LABEL}) (0 * max by ({RELEASE_LABEL}) ({requests}) + {DEFAULT_AVAILABILITY})",
-            requests = counter_total(REQUESTS),
-        ),
-    }];
-    for window in windows() {
+    let windows = windows();
+    let mut rules = Vec::new();
+    for &window in &windows {
         let w = prom_duration(window);
         rules.push(Rule::Record {
             record: eligible_rate(window),
@@ -170,6 +165,18 @@ pub fn rule_file() -> RuleFile {
                 eligible_rate(window)
             ),
         });
+    }
+    // Every release with requests in the longest window gets an objective, so every
+    // SLI has a burn rate (also for a release whose engines are gone).
+    let longest = windows.last().copied().unwrap_or(Duration::ZERO);
+    rules.push(Rule::Record {
+        record: OBJECTIVE.to_owned(),
+        expr: format!(
+            "max by ({RELEASE_LABEL}) ({SLO_OBJECTIVE}) or on ({RELEASE_LABEL}) (0 * max by ({RELEASE_LABEL}) ({}) + {DEFAULT_AVAILABILITY})",
+            eligible_rate(longest)
+        ),
+    });
+    for &window in &windows {
         // group_left keeps the SLI's labels (model); one objective per release.
         rules.push(Rule::Record {
             record: burn(window),
