@@ -62,6 +62,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// A fraction in [0, 1].
+///
+/// # Errors
+/// A message naming the value.
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a fraction in [0, 1]")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,16 +99,5 @@ mod tests {
         assert_eq!(format_millis(Duration::from_millis(41_000)), "41000");
         // A fraction of a millisecond rounds up: a budget is never cut short.
         assert_eq!(format_millis(Duration::from_micros(1500)), "2");
-    }
-}
-
-/// A fraction in [0, 1].
-///
-/// # Errors
-/// A message naming the value.
-pub fn parse_fraction(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
-        _ => Err(format!("`{s}` is not a fraction in [0, 1]")),
     }
 }

@@ -138,7 +138,10 @@ impl Telemetry {
         let otel = provider.as_ref().map(|p| {
             tracing_opentelemetry::layer()
                 .with_tracer(p.tracer(service))
+                // Attributes are what a request did, not where the process was.
                 .with_location(false)
+                .with_threads(false)
+                .with_tracked_inactivity(false)
                 .with_filter(
                     filter::Targets::new().with_target(TRACE_TARGET, tracing::Level::TRACE),
                 )
