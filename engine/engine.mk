@@ -78,3 +78,14 @@ serve-chat-demo: model ## start slipway-engine serve on the real model and answe
 	  [ -n "$$url" ] || { echo "serve did not start" >&2; exit 1; }; \
 	  curl -sS --fail-with-body "$$url/v1/chat/completions" -H 'content-type: application/json' \
 	    -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}'; echo
+
+.PHONY: jaeger
+# The trace backend engine/tests/traces_jaeger.rs exports to: Jaeger's all-in-one
+# binary, built from its Go module into $SLIPWAY_CACHE/tools once per version.
+# The version is the one scripts/tools/jaeger/go.mod (the wrapper module) requires.
+JAEGER_VERSION := $(shell awk '$$1 == "github.com/jaegertracing/jaeger" {print $$2}' scripts/tools/jaeger/go.mod)
+export SLIPWAY_JAEGER := $(SLIPWAY_CACHE)/tools/jaeger-$(JAEGER_VERSION)/jaeger
+jaeger: ## build Jaeger (the OTLP trace backend of the tracing test) from its Go module, once; prints its path
+	@scripts/go-tool jaeger scripts/tools/jaeger github.com/jaegertracing/jaeger/cmd/jaeger
+
+test-unit: jaeger

@@ -6,15 +6,16 @@
 //! renders pods from that same type, so the flags cannot drift apart. Serving
 //! never downloads: `--model` (or `SLIPWAY_MODEL`) names a local GGUF file, which
 //! `fetch` (the operator's init container) stages beforehand for network sources.
-//! Results go to stdout; logs go to stderr (`RUST_LOG` filters them; colours only on
-//! a terminal, so `kubectl logs` reads clean). A failure prints one `Error: ...` line
+//! Results go to stdout; logs go to stderr (`RUST_LOG` filters them; `--log-format`
+//! of `serve`/`fetch` picks text or JSON, JSON by default off a terminal, so
+//! `kubectl logs` never sees colours). `serve --otlp-endpoint` exports request
+//! traces ([`slipway_telemetry`]). A failure prints one `Error: ...` line
 //! last, which the pod's termination message picks up, and exits with a code from
 //! [`slipway_contract::exit`].
 
 mod commands;
 mod serve;
 
-use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -24,6 +25,7 @@ use slipway_contract::{EngineCommand, exit};
 use slipway_engine::fetch::{FetchError, VerifyError};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::tokenizer::{DecodeOptions, EncodeOptions, Tokenizer};
+use slipway_telemetry::{Telemetry, TraceExport};
 
 #[derive(Debug, Parser)]
 #[command(name = "slipway-engine", version, about = "Slipway inference engine")]
@@ -71,19 +73,33 @@ struct TokenizeArgs {
     json: bool,
 }
 
+/// Log lines shown when `RUST_LOG` is unset: warnings, and `fetch`'s progress lines
+/// (they are its log).
+const DEFAULT_LOG_FILTER: &str = "warn,slipway_engine::fetch=info";
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                // `fetch`'s progress lines are its log, so they show by default.
-                .unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new("warn,slipway_engine::fetch=info")
-                }),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
     let cli = Cli::parse();
+    let (log_format, traces) = match &cli.command {
+        Command::Pod(EngineCommand::Serve(args)) => (
+            args.telemetry.logs.log_format,
+            TraceExport::from_args(&args.telemetry)
+                .map(|t| t.with_attribute("slipway.release", args.release.clone())),
+        ),
+        Command::Pod(EngineCommand::Fetch(args)) => (args.logs.log_format, None),
+        _ => (None, None),
+    };
+    let telemetry = match Telemetry::init(
+        "slipway-engine",
+        log_format,
+        DEFAULT_LOG_FILTER,
+        traces.as_ref(),
+    ) {
+        Ok(t) => t,
+        Err(error) => {
+            eprintln!("Error: {error}");
+            return ExitCode::from(u8::try_from(exit::FAILURE).unwrap_or(1));
+        }
+    };
     let result = match cli.command {
         Command::Tokenize(args) => run_tokenize(&args),
         Command::Generate(args) => commands::run_generate(&args),
@@ -94,6 +110,8 @@ fn main() -> ExitCode {
             .map(drop)
             .map_err(Into::into),
     };
+    // The last spans leave before the exit line.
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

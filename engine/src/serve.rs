@@ -148,6 +148,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     #[allow(clippy::needless_update)]
     let api = ApiConfig {
         model_name: name.clone(),
+        release: args.release.clone(),
         kv_namespace: args.kv_namespace.clone(),
         max_model_len,
         max_output_tokens: usize::try_from(args.max_output_tokens).unwrap_or(usize::MAX),

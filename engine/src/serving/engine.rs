@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::block_manager::CacheKey;
 use super::metrics::ServingMetrics;
+use super::request_trace::RequestTrace;
 use super::scheduler::{
     AddError, FinishReason, ModelOutput, RequestId, SchedRequest, Scheduler, SchedulerConfig,
 };
@@ -137,9 +138,11 @@ pub struct EngineStats {
 enum Command {
     Submit {
         id: RequestId,
-        req: GenerateRequest,
+        req: Box<GenerateRequest>,
         events: mpsc::UnboundedSender<Event>,
         accepted: oneshot::Sender<Result<(), AddError>>,
+        /// The caller's span: the request's spans in the engine go under it.
+        span: tracing::Span,
     },
     Cancel(RequestId),
     Stats(oneshot::Sender<EngineStats>),
@@ -163,7 +166,8 @@ pub struct RequestStream {
 }
 
 impl EngineHandle {
-    /// Queues a request; returns its stream once the engine accepted it.
+    /// Queues a request; returns its stream once the engine accepted it. The
+    /// request's queue, prefill and decode spans go under the current span.
     ///
     /// # Errors
     /// [`EngineError::Rejected`] if it could never run, [`EngineError::Closed`]
@@ -177,9 +181,10 @@ impl EngineHandle {
         self.tx
             .send(Command::Submit {
                 id,
-                req,
+                req: Box::new(req),
                 events: events_tx,
                 accepted,
+                span: tracing::Span::current(),
             })
             .await
             .map_err(|_| EngineError::Closed)?;
@@ -232,6 +237,7 @@ struct Active {
     generated: usize,
     submitted: Instant,
     scheduled: bool,
+    trace: RequestTrace,
 }
 
 /// What the loop owns besides the runner.
@@ -319,6 +325,7 @@ fn handle(cmd: Command, a: &mut Actor) {
             req,
             events,
             accepted,
+            span,
         } => {
             let added = s.add(SchedRequest {
                 id,
@@ -339,6 +346,7 @@ fn handle(cmd: Command, a: &mut Actor) {
                         generated: 0,
                         submitted: Instant::now(),
                         scheduled: false,
+                        trace: RequestTrace::queued(span),
                     },
                 );
             }
@@ -359,7 +367,8 @@ fn handle(cmd: Command, a: &mut Actor) {
         Command::AbortAll(message) => {
             s.finish_all();
             for (id, a) in active.drain() {
-                tracing::warn!(request = id, %message, "request aborted");
+                a.trace
+                    .in_scope(|| tracing::warn!(request = id, %message, "request aborted"));
                 let _ = a.events.send(Event::Error(message.clone()));
             }
         }
@@ -374,9 +383,11 @@ fn reap(s: &mut Scheduler, active: &mut HashMap<RequestId, Active>) {
         .map(|(&id, _)| id)
         .collect();
     for id in gone {
-        tracing::debug!(request = id, "client went away; request cancelled");
+        if let Some(a) = active.remove(&id) {
+            a.trace
+                .in_scope(|| tracing::debug!(request = id, "client went away; request cancelled"));
+        }
         s.finish(id);
-        active.remove(&id);
     }
 }
 
@@ -425,14 +436,26 @@ async fn run(
             continue;
         }
         let now = Instant::now();
+        let mut prefill_spans = Vec::new();
         for seq in &out.seqs {
-            if let Some(r) = a.active.get_mut(&seq.id)
-                && !r.scheduled
-            {
+            let Some(r) = a.active.get_mut(&seq.id) else {
+                continue;
+            };
+            // A request's first chunk starts after the prefix-cache hit.
+            let prefix_hit = if r.scheduled { 0 } else { seq.start_pos };
+            if !r.scheduled {
                 r.scheduled = true;
+                r.trace.scheduled();
                 a.metrics
                     .queue_time
                     .observe(now.duration_since(r.submitted).as_secs_f64());
+            }
+            if r.trace.in_prefill() {
+                prefill_spans.push(r.trace.prefill_chunk(
+                    seq.tokens.len(),
+                    seq.start_pos,
+                    prefix_hit,
+                ));
             }
         }
         let batch = out.batch();
@@ -441,6 +464,7 @@ async fn run(
             (runner, r)
         })
         .await;
+        drop(prefill_spans);
         let logits = match joined {
             Ok((r, Ok(logits))) => {
                 runner = r;
@@ -452,6 +476,9 @@ async fn run(
                 for seq in &out.seqs {
                     a.s.finish(seq.id);
                     if let Some(r) = a.active.remove(&seq.id) {
+                        r.trace.in_scope(|| {
+                            tracing::warn!(request = seq.id, "request ended by the failed step");
+                        });
                         let _ = r
                             .events
                             .send(Event::Error(format!("engine error: {error}")));
@@ -490,10 +517,12 @@ async fn run(
             if let Some(t) = o.token {
                 r.history.push(t);
                 r.generated += 1;
+                r.trace.token();
                 a.metrics.generation_tokens.inc();
                 alive = r.events.send(Event::Token(t)).is_ok();
             }
             if let Some(reason) = o.finished {
+                r.trace.finished(r.generated);
                 let _ = r.events.send(finished(r, reason, o.cached_tokens));
                 a.active.remove(&o.id);
             } else if !alive {

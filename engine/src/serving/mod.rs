@@ -11,5 +11,6 @@ pub mod block_manager;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+mod request_trace;
 pub mod scheduler;
 pub mod text;

@@ -37,6 +37,7 @@ use axum::{Json, Router};
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use sha2::Digest as _;
+use slipway_telemetry::{TRACE_TARGET, join_trace};
 use tracing::Instrument;
 
 pub use errors::{ApiError, DRAIN_RETRY_AFTER_SECS};
@@ -80,6 +81,8 @@ impl Default for FaultConfig {
 pub struct ApiConfig {
     /// Name served in `model` fields and `/v1/models`.
     pub model_name: String,
+    /// The release bundle hash served (`--release`), an attribute of every trace.
+    pub release: String,
     /// KV namespace of this release (prefix-cache separation).
     pub kv_namespace: String,
     /// Context length.
@@ -98,6 +101,7 @@ impl Default for ApiConfig {
     fn default() -> Self {
         Self {
             model_name: "model".into(),
+            release: "dev".into(),
             kv_namespace: "default".into(),
             max_model_len: 2048,
             max_output_tokens: 1024,
@@ -214,7 +218,10 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Gives every request an id (the client's `x-request-id` if sane), a span with it,
-/// and the header on the response.
+/// and the header on the response. An API request's span is also the root of its
+/// trace, joined to the caller's W3C `traceparent`; its other attributes are
+/// recorded as they become known ([`track::Tracker`], [`stream`]). Probes and
+/// scrapes get a log-only span: they are not traced.
 async fn request_id(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
@@ -225,10 +232,35 @@ async fn request_id(State(state): State<Arc<AppState>>, mut req: Request, next: 
             || format!("req-{}", state.next_request.fetch_add(1, Ordering::Relaxed)),
             str::to_string,
         );
-    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
+    let path = req.uri().path();
+    let span = if path.starts_with("/v1/") && req.method() == axum::http::Method::POST {
+        let span = tracing::info_span!(
+            target: TRACE_TARGET,
+            "request",
+            otel.name = %format!("POST {path}"),
+            otel.kind = "server",
+            request_id = %id,
+            trace_id = tracing::field::Empty,
+            release = %state.config.release,
+            model = %state.config.model_name,
+            prompt_tokens = tracing::field::Empty,
+            cached_tokens = tracing::field::Empty,
+            output_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            slo_met = tracing::field::Empty,
+            http.response.status_code = tracing::field::Empty,
+        );
+        span.record("trace_id", join_trace(&span, req.headers()));
+        span
+    } else {
+        tracing::info_span!("request", request_id = %id, method = %req.method(), path = %path)
+    };
     req.extensions_mut().insert(RequestId(id.clone()));
     let mut resp = next.run(req).instrument(span.clone()).await;
-    span.in_scope(|| tracing::info!(status = resp.status().as_u16(), "done"));
+    let status = resp.status().as_u16();
+    span.record("http.response.status_code", status);
+    span.in_scope(|| tracing::info!(status, "done"));
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -345,8 +377,14 @@ async fn run(
     arrived: Instant,
 ) -> Result<Response, ApiError> {
     let m = &state.metrics;
+    // A request refused before it is tracked still reports its outcome on its span.
+    let refused = |outcome: Outcome| {
+        m.request_ended(outcome);
+        tracing::Span::current().record("outcome", outcome.as_str());
+    };
+    tracing::Span::current().record("prompt_tokens", p.gen_req.prompt.len());
     if !state.ready.load(Ordering::Relaxed) {
-        m.request_ended(Outcome::Rejected503);
+        refused(Outcome::Rejected503);
         return Err(ApiError::unavailable(
             "the server is draining; retry on another replica",
             DRAIN_RETRY_AFTER_SECS,
@@ -354,13 +392,24 @@ async fn run(
     }
     let block_size = state.admission.config().block_size;
     let cost = admission::cost(p.gen_req.prompt.len(), p.gen_req.max_tokens, block_size);
-    let permit = match state.admission.try_admit(tenant.as_deref(), cost, arrived) {
+    let admission_span = tracing::info_span!(
+        target: TRACE_TARGET,
+        "admission",
+        cost_tokens = cost.tokens,
+        cost_blocks = cost.blocks,
+        admitted = tracing::field::Empty,
+    );
+    let admitted =
+        admission_span.in_scope(|| state.admission.try_admit(tenant.as_deref(), cost, arrived));
+    admission_span.record("admitted", admitted.is_ok());
+    drop(admission_span);
+    let permit = match admitted {
         Ok(permit) => permit,
         Err(r) => {
             match r {
                 Rejection::NeverFits { .. } => {}
-                Rejection::TenantRate { .. } => m.request_ended(Outcome::Rejected429),
-                _ => m.request_ended(Outcome::Rejected503),
+                Rejection::TenantRate { .. } => refused(Outcome::Rejected429),
+                _ => refused(Outcome::Rejected503),
             }
             tracing::info!(reason = %r, "refused at admission");
             return Err(r.into());

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 
 use super::errors::ApiError;
 use super::openai_types::Prepared;
-use super::track::{Tracker, outcome_of};
+use super::track::{Tracker, Usage, outcome_of};
 use crate::serving::engine::{Event, RequestStream};
 use crate::serving::metrics::Outcome;
 use crate::serving::text::StopMatcher;
@@ -43,7 +43,7 @@ enum Piece {
         text: String,
         reason: &'static str,
         outcome: Outcome,
-        usage: Value,
+        usage: Usage,
     },
     Failed(String),
 }
@@ -72,7 +72,11 @@ impl Detok {
                     text,
                     reason: reason.as_str(),
                     outcome: outcome_of(reason),
-                    usage: usage(prompt_tokens, completion_tokens, cached_tokens),
+                    usage: Usage {
+                        prompt: prompt_tokens,
+                        completion: completion_tokens,
+                        cached: cached_tokens,
+                    },
                 }
             }
             Some(Event::Error(m)) => Piece::Failed(m),
@@ -81,9 +85,9 @@ impl Detok {
     }
 }
 
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-           "prompt_tokens_details": {"cached_tokens": cached}})
+fn usage_json(u: Usage) -> Value {
+    json!({"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+           "prompt_tokens_details": {"cached_tokens": u.cached}})
 }
 
 /// What identifies the response: its id, creation time and request.
@@ -138,6 +142,7 @@ pub(super) async fn collect(
     let mut by_stop = false;
     let mut completion = 0;
     let prompt = meta.p.gen_req.prompt.len();
+    let _relaying = tracker.stream_span(false);
     loop {
         let e = stream.events.recv().await;
         if matches!(e, Some(Event::Token(_))) {
@@ -150,8 +155,14 @@ pub(super) async fn collect(
                 if by_stop {
                     // Dropping the stream cancels the request in the engine.
                     drop(stream);
+                    let u = Usage {
+                        prompt,
+                        completion,
+                        cached: 0,
+                    };
+                    tracker.record_usage("stop", u);
                     tracker.finish(Outcome::Ok);
-                    return Ok(meta.body(&text, "stop", usage(prompt, completion, 0)));
+                    return Ok(meta.body(&text, "stop", usage_json(u)));
                 }
             }
             Piece::Done {
@@ -161,8 +172,9 @@ pub(super) async fn collect(
                 usage,
             } => {
                 text.push_str(&t);
+                tracker.record_usage(reason, usage);
                 tracker.finish(outcome);
-                return Ok(meta.body(&text, reason, usage));
+                return Ok(meta.body(&text, reason, usage_json(usage)));
             }
             Piece::Failed(m) => {
                 tracker.finish(Outcome::Error);
@@ -180,6 +192,8 @@ struct St {
     queue: VecDeque<SseEvent>,
     completion: usize,
     started: bool,
+    /// Open while the answer is relayed; closed when the stream ends.
+    _relaying: tracing::Span,
 }
 
 impl St {
@@ -201,6 +215,7 @@ pub(super) fn sse(
         stream: Some(stream),
         detok,
         meta,
+        _relaying: tracker.stream_span(true),
         tracker,
         queue: VecDeque::new(),
         completion: 0,
@@ -229,7 +244,15 @@ pub(super) fn sse(
             let (text, end) = match st.detok.next(e, &mut by_stop) {
                 Piece::Text(t) if by_stop => (
                     t,
-                    Some(("stop", Outcome::Ok, usage(prompt, st.completion, 0))),
+                    Some((
+                        "stop",
+                        Outcome::Ok,
+                        Usage {
+                            prompt,
+                            completion: st.completion,
+                            cached: 0,
+                        },
+                    )),
                 ),
                 Piece::Text(t) => (t, None),
                 Piece::Done {
@@ -253,13 +276,14 @@ pub(super) fn sse(
             if let Some((reason, outcome, usage)) = end {
                 // Dropping the engine stream ends (or, on a stop string, cancels) it.
                 st.stream = None;
+                st.tracker.record_usage(reason, usage);
                 st.tracker.finish(outcome);
                 let c = st.meta.chunk(None, Some(reason));
                 st.push(&c);
                 if st.meta.p.include_usage {
                     let mut u = json!({"id": st.meta.id, "object": st.meta.object(true),
                                        "created": st.meta.created, "model": st.meta.p.model, "choices": []});
-                    u["usage"] = usage;
+                    u["usage"] = usage_json(usage);
                     st.push(&u);
                 }
                 st.queue.push_back(SseEvent::default().data("[DONE]"));

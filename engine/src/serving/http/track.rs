@@ -2,9 +2,14 @@
 //! to its end. It counts the request exactly once: explicitly with
 //! [`Tracker::finish`], or as `cancelled` when dropped unfinished (the client went
 //! away and its response future or stream was dropped).
+//!
+//! It also holds the request's trace span (the HTTP request span it was created in)
+//! and records on it what the trace reports: outcome, SLO met, token counts.
 
 use std::sync::Arc;
 use std::time::Instant;
+
+use slipway_telemetry::TRACE_TARGET;
 
 use crate::serving::admission::Permit;
 use crate::serving::metrics::{Outcome, ServingMetrics, SloTargets, meets_slo};
@@ -31,10 +36,23 @@ pub struct Tracker {
     last: Option<Instant>,
     tokens: usize,
     done: bool,
+    span: tracing::Span,
+}
+
+/// The token counts a finished request reports (`usage`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Generated tokens.
+    pub completion: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached: usize,
 }
 
 impl Tracker {
-    /// Starts tracking a request that arrived at `arrived` and holds `permit`.
+    /// Starts tracking a request that arrived at `arrived` and holds `permit`, in
+    /// the current (request) span.
     #[must_use]
     pub fn new(
         metrics: Arc<ServingMetrics>,
@@ -51,7 +69,21 @@ impl Tracker {
             last: None,
             tokens: 0,
             done: false,
+            span: tracing::Span::current(),
         }
+    }
+
+    /// The span of relaying the answer to the client, under the request's span.
+    #[must_use]
+    pub fn stream_span(&self, streaming: bool) -> tracing::Span {
+        tracing::info_span!(target: TRACE_TARGET, parent: &self.span, "stream", streaming)
+    }
+
+    /// Records why and with what counts the generation ended.
+    pub fn record_usage(&self, finish_reason: &str, usage: Usage) {
+        let s = &self.span;
+        s.record("finish_reason", finish_reason);
+        s.record("cached_tokens", usage.cached);
     }
 
     /// A token came out of the engine.
@@ -81,14 +113,27 @@ impl Tracker {
         }
         self.done = true;
         self.metrics.request_ended(outcome);
+        self.span.record("outcome", outcome.as_str());
+        self.span.record("output_tokens", self.tokens);
+        // Also the span's end: a trace span ends when it is last left, and a streamed
+        // answer outlives the handler that entered it.
+        self.span.in_scope(|| {
+            tracing::info!(
+                outcome = outcome.as_str(),
+                output_tokens = self.tokens,
+                "request ended"
+            );
+        });
         let permit = self.permit.take();
         if outcome == Outcome::Ok {
             let e2e = Instant::now().duration_since(self.arrived);
             self.metrics.e2e.observe(e2e.as_secs_f64());
             let ttft = self.first.map(|f| f.duration_since(self.arrived));
-            if meets_slo(ttft, e2e, self.tokens, &self.slo) {
+            let met = meets_slo(ttft, e2e, self.tokens, &self.slo);
+            if met {
                 self.metrics.slo_met();
             }
+            self.span.record("slo_met", met);
             if let Some(p) = &permit {
                 p.completed(e2e);
             }
