@@ -80,7 +80,7 @@ serve-chat-demo: model ## start slipway-engine serve on the real model and answe
 	    -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}'; echo
 
 .PHONY: jaeger
-# The trace backend engine/tests/traces_jaeger.rs exports to: Jaeger's all-in-one
+# The trace backend engine/tests/telemetry_process.rs exports to: Jaeger's all-in-one
 # binary, built from its Go module into $SLIPWAY_CACHE/tools once per version.
 # The version is the one scripts/tools/jaeger/go.mod (the wrapper module) requires.
 JAEGER_VERSION := $(shell awk '$$1 == "github.com/jaegertracing/jaeger" {print $$2}' scripts/tools/jaeger/go.mod)

@@ -1,4 +1,9 @@
-//! Request traces reach a real trace backend: Jaeger (built from its Go module by
+//! Logs and traces of a real `slipway-engine serve` process.
+//!
+//! Logs: off a terminal, with no `--log-format`, every line is a JSON object and none
+//! carries an escape code (what `kubectl logs` shows).
+//!
+//! Traces: request traces reach a real trace backend: Jaeger (built from its Go module by
 //! `make jaeger`, path in `$SLIPWAY_JAEGER`) receives OTLP/HTTP from a real
 //! `slipway-engine serve` on the real model. After requests carrying known W3C
 //! `traceparent` headers, Jaeger's query API must hold one trace per sampled request,
@@ -443,4 +448,58 @@ async fn a_request_is_one_trace_in_jaeger_with_its_phases_in_order() {
         lines.lines().all(|l| !l.contains('\u{1b}')),
         "escape codes in a log that is not a terminal"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn off_a_terminal_logs_default_to_json_lines_without_colours() {
+    let log = tempfile::NamedTempFile::new().expect("a log file");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_slipway-engine"));
+    command
+        .arg("serve")
+        .arg("--model")
+        .arg(model_path())
+        .args(["--port=0", "--served-model-name=smol", "--kv-blocks=64"])
+        .env("RUST_LOG", "info")
+        .env_remove("SLIPWAY_LOG_FORMAT")
+        .stderr(log.reopen().expect("the log file"));
+    let mut server = ServeProcess::spawn(command);
+    let response = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .header("x-request-id", "logs-1")
+        .json(&json!({"model": "smol", "prompt": "Hello", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("a request");
+    assert_eq!(response.status(), 200);
+    server.sigterm();
+    let status = server
+        .exit_within(Duration::from_secs(30))
+        .await
+        .expect("serve exits");
+    assert!(status.success(), "serve exited with {status}");
+
+    let lines = std::fs::read_to_string(log.path()).expect("the engine's log");
+    let parsed: Vec<Value> = lines
+        .lines()
+        .map(|l| {
+            assert!(!l.contains('\u{1b}'), "an escape code in {l:?}");
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l:?}"))
+        })
+        .collect();
+    let about_the_request: Vec<&Value> = parsed
+        .iter()
+        .filter(|l| {
+            l["spans"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|s| s["request_id"] == "logs-1"))
+        })
+        .collect();
+    assert!(
+        about_the_request.len() >= 2,
+        "the request's `request ended` and `done` lines: {lines}"
+    );
+    for line in about_the_request {
+        let span = &line["spans"][0];
+        assert_eq!(span["trace_id"].as_str().map(str::len), Some(32), "{line}");
+    }
 }
