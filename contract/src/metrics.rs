@@ -12,6 +12,29 @@ pub const REQUESTS_SLO_MET: &str = "slipway_requests_slo_met";
 /// measured demand in tokens per second reads it.
 pub const GENERATION_TOKENS: &str = "slipway_generation_tokens";
 
+/// Histogram: request arrival to its first generated token (TTFT).
+pub const TTFT: &str = "slipway_time_to_first_token_seconds";
+/// Histogram: time between consecutive generated tokens of a request.
+pub const INTER_TOKEN: &str = "slipway_inter_token_latency_seconds";
+/// Histogram: request arrival to its last token, successful requests.
+pub const E2E: &str = "slipway_e2e_request_latency_seconds";
+/// Histogram: time a request waited in the engine's queue before its first step.
+pub const QUEUE_TIME: &str = "slipway_request_queue_time_seconds";
+/// Gauge: requests running (holding KV blocks).
+pub const RUNNING: &str = "slipway_num_requests_running";
+/// Gauge: requests waiting in the engine's queue (the Gateway API Inference
+/// Extension's queue-size metric).
+pub const WAITING: &str = "slipway_num_requests_waiting";
+/// Gauge: fraction of KV-cache blocks in use, 0..1 (the Inference Extension's KV
+/// utilisation metric).
+pub const KV_USAGE: &str = "slipway_kv_cache_usage_perc";
+/// Counter family: prompt tokens of admitted requests.
+pub const PROMPT_TOKENS: &str = "slipway_prompt_tokens";
+/// Counter family: prompt tokens looked up in the prefix cache.
+pub const PREFIX_QUERIES: &str = "slipway_prefix_cache_queries";
+/// Counter family: of those, tokens found.
+pub const PREFIX_HITS: &str = "slipway_prefix_cache_hits";
+
 /// Label: the release bundle's short hash (`serve --release`).
 pub const RELEASE_LABEL: &str = "release";
 /// Label: the served model name (`serve --served-model-name`).

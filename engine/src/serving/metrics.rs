@@ -44,6 +44,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use slipway_contract::metrics as names;
 /// How a request ended, as counted in `slipway_requests_total{outcome}`: the
 /// contract's type, which the operator's analysis reads.
 pub use slipway_contract::metrics::Outcome;
@@ -177,42 +178,42 @@ impl ServingMetrics {
             m.slo_met.clone(),
         );
         r.register(
-            "slipway_time_to_first_token_seconds",
+            names::TTFT,
             "Request arrival to its first generated token",
             m.ttft.clone(),
         );
         r.register(
-            "slipway_inter_token_latency_seconds",
+            names::INTER_TOKEN,
             "Time between consecutive generated tokens of a request",
             m.inter_token.clone(),
         );
         r.register(
-            "slipway_e2e_request_latency_seconds",
+            names::E2E,
             "Request arrival to its last token, successful requests",
             m.e2e.clone(),
         );
         r.register(
-            "slipway_request_queue_time_seconds",
+            names::QUEUE_TIME,
             "Time a request waited in the engine's queue before its first step",
             m.queue_time.clone(),
         );
         r.register(
-            "slipway_num_requests_running",
+            names::RUNNING,
             "Requests running (holding KV blocks)",
             m.running.clone(),
         );
         r.register(
-            "slipway_num_requests_waiting",
+            names::WAITING,
             "Requests waiting in the engine's queue (the inference gateway's queue size)",
             m.waiting.clone(),
         );
         r.register(
-            "slipway_kv_cache_usage_perc",
+            names::KV_USAGE,
             "Fraction of KV-cache blocks in use, 0..1 (the inference gateway's KV utilisation)",
             m.kv_usage.clone(),
         );
         r.register(
-            "slipway_prompt_tokens",
+            names::PROMPT_TOKENS,
             "Prompt tokens of admitted requests",
             m.prompt_tokens.clone(),
         );
@@ -222,12 +223,12 @@ impl ServingMetrics {
             m.generation_tokens.clone(),
         );
         r.register(
-            "slipway_prefix_cache_queries",
+            names::PREFIX_QUERIES,
             "Prompt tokens looked up in the prefix cache",
             m.prefix_queries.clone(),
         );
         r.register(
-            "slipway_prefix_cache_hits",
+            names::PREFIX_HITS,
             "Prompt tokens found in the prefix cache",
             m.prefix_hits.clone(),
         );

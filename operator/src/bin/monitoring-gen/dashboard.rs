@@ -4,9 +4,7 @@
 //! weight, rollbacks, groups desired, ready and serving).
 //!
 //! Every metric name is a constant: the engine's contract (`slipway-contract`), the
-//! operator's [`slipway_operator::metrics`], the recording rules of [`crate::rules`],
-//! and [`engine_metrics`] for the engine families the contract does not name yet
-//! (checked against the engine's own registry in the tests below).
+//! operator's [`slipway_operator::metrics`] and the recording rules of [`crate::rules`].
 //!
 //! Template variables: `datasource`, `release` (the engines' `release` label),
 //! `namespace` and `inferenceservice` (the operator's per-service labels). The e2e
@@ -26,26 +24,6 @@ use crate::rules;
 
 /// The dashboard's uid (the alerts link to `/d/<uid>/slipway`).
 pub const UID: &str = "slipway";
-
-/// Engine metric families that `slipway-contract` does not name yet; the engine
-/// registers them under these names (`engine/src/serving/metrics.rs`), which the test
-/// `engine_registers_every_family_the_dashboard_reads` checks against its registry.
-pub mod engine_metrics {
-    /// Histogram: request arrival to its first token (TTFT).
-    pub const TTFT: &str = "slipway_time_to_first_token_seconds";
-    /// Histogram: time between consecutive tokens of a request (TPOT per token).
-    pub const INTER_TOKEN: &str = "slipway_inter_token_latency_seconds";
-    /// Gauge: requests waiting in the engine's queue.
-    pub const WAITING: &str = "slipway_num_requests_waiting";
-    /// Gauge: requests running (holding KV blocks).
-    pub const RUNNING: &str = "slipway_num_requests_running";
-    /// Gauge: fraction of KV blocks in use, 0..1.
-    pub const KV_USAGE: &str = "slipway_kv_cache_usage_perc";
-    /// Counter family: prompt tokens looked up in the prefix cache.
-    pub const PREFIX_QUERIES: &str = "slipway_prefix_cache_queries";
-    /// Counter family: of those, tokens found.
-    pub const PREFIX_HITS: &str = "slipway_prefix_cache_hits";
-}
 
 /// A query of a panel and its legend.
 #[derive(Debug, Clone, PartialEq)]
@@ -118,7 +96,9 @@ fn rate_by_release(counter_family: &str) -> String {
 /// Every row and panel, in order.
 #[must_use]
 pub fn rows() -> Vec<Row> {
-    use engine_metrics::*;
+    use slipway_contract::metrics::{
+        INTER_TOKEN, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, RUNNING, TTFT, WAITING,
+    };
     let release_legend = format!("{{{{{RELEASE_LABEL}}}}}");
     let service_legend = format!("{{{{{NAMESPACE_LABEL}}}}}/{{{{{INFERENCESERVICE_LABEL}}}}}");
     let windows = rules::windows();
@@ -417,7 +397,9 @@ mod tests {
     #[test]
     fn engine_registers_every_family_the_dashboard_reads() {
         let text = ServingMetrics::new("m", "r").prometheus_text();
-        use engine_metrics::*;
+        use slipway_contract::metrics::{
+            INTER_TOKEN, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, RUNNING, TTFT, WAITING,
+        };
         for (name, kind) in [
             (TTFT.to_owned(), "histogram"),
             (INTER_TOKEN.to_owned(), "histogram"),
