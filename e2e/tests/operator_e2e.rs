@@ -68,13 +68,14 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Text for people reading the test's output; colours only on a terminal.
+    let _logs = slipway_telemetry::Telemetry::init(
+        "slipway-e2e",
+        Some(slipway_telemetry::LogFormat::Text),
+        "info",
+        None,
+    )
+    .expect("setting up the test's logs");
     let arguments = Arguments::from_args();
     let tests = all_tests();
     let selected = tests
