@@ -160,12 +160,6 @@ impl Telemetry {
         Ok(Self { provider })
     }
 
-    /// Whether spans are exported.
-    #[must_use]
-    pub fn exports_traces(&self) -> bool {
-        self.provider.is_some()
-    }
-
     /// Sends the spans still buffered and stops the exporter.
     pub fn shutdown(mut self) {
         self.flush_and_stop();
