@@ -38,5 +38,21 @@ pub mod sockets;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterGuard};
+
+/// Sets up a test binary's logs: text for people reading its output, colours only on
+/// a terminal, `RUST_LOG` or else `info`. Keep the guard for the whole run.
+///
+/// # Panics
+/// If a log subscriber is already installed.
+#[must_use]
+pub fn test_logs() -> slipway_telemetry::Telemetry {
+    slipway_telemetry::Telemetry::init(
+        "slipway-e2e",
+        Some(slipway_telemetry::LogFormat::Text),
+        "info",
+        None,
+    )
+    .expect("setting up the test's logs")
+}
 pub use error::{Error, Result};
 pub use namespace::TestNamespace;

@@ -72,14 +72,7 @@ const REPORT: &str = "/tmp/rollout-e2e-rolledback.txt";
 const PANELS_REPORT: &str = "/tmp/rollout-e2e-dashboard-panels.txt";
 
 fn main() -> ExitCode {
-    // Text for people reading the test's output; colours only on a terminal.
-    let _logs = slipway_telemetry::Telemetry::init(
-        "slipway-e2e",
-        Some(slipway_telemetry::LogFormat::Text),
-        "info",
-        None,
-    )
-    .expect("setting up the test's logs");
+    let _logs = slipway_e2e::test_logs();
     let arguments = Arguments::from_args();
     const NAME: &str = "rollout::bad_bundle_rolls_back_reapply_holds_healthy_bundle_promotes";
     let selected = !arguments.is_filtered_out(&Trial::test(NAME, || Ok(())));

@@ -55,14 +55,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
 }
 
 fn main() -> ExitCode {
-    // Text for people reading the test's output; colours only on a terminal.
-    let _logs = slipway_telemetry::Telemetry::init(
-        "slipway-e2e",
-        Some(slipway_telemetry::LogFormat::Text),
-        "info",
-        None,
-    )
-    .expect("setting up the test's logs");
+    let _logs = slipway_e2e::test_logs();
     let arguments = Arguments::from_args();
     let tests = all_tests();
 
