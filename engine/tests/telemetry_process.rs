@@ -37,6 +37,16 @@ fn jaeger_binary() -> PathBuf {
     path
 }
 
+/// Drains `server` (SIGTERM) and checks it exits 0 within 30 s.
+async fn drain(server: &mut ServeProcess) {
+    server.sigterm();
+    let status = server
+        .exit_within(Duration::from_secs(30))
+        .await
+        .expect("serve exits");
+    assert!(status.success(), "serve exited with {status}");
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -324,12 +334,7 @@ async fn a_request_is_one_trace_in_jaeger_with_its_phases_in_order() {
         .expect("the unsampled request");
     assert_eq!(response.status(), 200);
     // Drain: the exporter flushes on the way out.
-    server.sigterm();
-    let status = server
-        .exit_within(Duration::from_secs(30))
-        .await
-        .expect("serve exits");
-    assert!(status.success(), "serve exited with {status}");
+    drain(&mut server).await;
 
     for (trace, caller_span, stream) in sampled {
         let spans = jaeger.trace(trace, 6).await;
@@ -471,12 +476,7 @@ async fn off_a_terminal_logs_default_to_json_lines_without_colours() {
         .await
         .expect("a request");
     assert_eq!(response.status(), 200);
-    server.sigterm();
-    let status = server
-        .exit_within(Duration::from_secs(30))
-        .await
-        .expect("serve exits");
-    assert!(status.success(), "serve exited with {status}");
+    drain(&mut server).await;
 
     let lines = std::fs::read_to_string(log.path()).expect("the engine's log");
     let parsed: Vec<Value> = lines
