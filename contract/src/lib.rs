@@ -21,11 +21,13 @@
 
 pub mod fetch;
 pub mod metrics;
+pub mod router;
 pub mod serve;
 pub mod telemetry;
 pub mod units;
 
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
+pub use router::{LoadReport, RoutePolicy, RouterArgs};
 #[cfg(feature = "fault-injection")]
 pub use serve::FaultArgs;
 pub use serve::{DeviceChoice, ServeArgs};
@@ -42,6 +44,8 @@ pub mod paths {
     pub const READY: &str = "/ready";
     /// Prometheus text (OpenMetrics on `Accept`): the operator's scrape.
     pub const METRICS: &str = "/metrics";
+    /// The engine's load as JSON ([`crate::LoadReport`]): the router's endpoint choice.
+    pub const LOAD: &str = "/load";
 }
 
 /// Exit codes of `slipway-engine`, for reasons the operator reports by name.

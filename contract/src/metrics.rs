@@ -100,3 +100,44 @@ impl Outcome {
         matches!(self, Self::Ok | Self::Error | Self::Rejected503)
     }
 }
+
+/// The router's metric families (`slipway-router`'s `/metrics`), measured at the
+/// gateway: the client-side boundary, queueing and the network included. Every family
+/// carries [`RELEASE_LABEL`]; the rollout's `Router` metrics source reads
+/// [`router::REQUESTS`] and [`router::REQUESTS_SLO_MET`] as it reads the engine's.
+pub mod router {
+    /// Counter family of requests by release and [`super::Outcome`].
+    pub const REQUESTS: &str = "slipway_router_requests";
+    /// Counter family of successful requests that met the InferenceService's TTFT and
+    /// TPOT targets, by release.
+    pub const REQUESTS_SLO_MET: &str = "slipway_router_requests_slo_met";
+    /// Histogram: request arrival at the router to the first token relayed.
+    pub const TTFT: &str = "slipway_router_time_to_first_token_seconds";
+    /// Histogram: (E2E − TTFT) / (output tokens − 1), streams of two tokens or more.
+    pub const TPOT: &str = "slipway_router_time_per_output_token_seconds";
+    /// Histogram: request arrival to the last byte relayed, successful requests.
+    pub const E2E: &str = "slipway_router_e2e_request_latency_seconds";
+    /// Counter family of endpoint choices, by release and policy.
+    pub const DECISIONS: &str = "slipway_router_decisions";
+    /// Counter family: prompt tokens the router predicted to be cached where it sent
+    /// them (from its prefix index).
+    pub const PREDICTED_CACHED_TOKENS: &str = "slipway_router_predicted_cached_tokens";
+    /// Counter family: prompt tokens the engines reported as cached
+    /// (`usage.prompt_tokens_details.cached_tokens`).
+    pub const CACHED_TOKENS: &str = "slipway_router_cached_tokens";
+    /// Counter family: prompt tokens of routed requests, as the engines reported them.
+    pub const PROMPT_TOKENS: &str = "slipway_router_prompt_tokens";
+    /// Counter family of retries, by release and reason.
+    pub const RETRIES: &str = "slipway_router_retries";
+    /// Counter family of endpoints left out of a choice, by release and reason.
+    pub const EXCLUDED: &str = "slipway_router_endpoints_excluded";
+    /// Gauge family: endpoints known, by release and state (`eligible`, ...).
+    pub const ENDPOINTS: &str = "slipway_router_endpoints";
+    /// Gauge family: requests in flight through the router, by release.
+    pub const IN_FLIGHT: &str = "slipway_router_requests_in_flight";
+
+    /// Label of [`RETRIES`] and [`EXCLUDED`]: why.
+    pub const REASON_LABEL: &str = "reason";
+    /// Label of [`DECISIONS`]: the `--policy` that decided.
+    pub const POLICY_LABEL: &str = "policy";
+}

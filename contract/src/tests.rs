@@ -272,3 +272,135 @@ fn otlp_endpoint_must_be_an_http_url() {
     );
     assert!((args.telemetry.trace_sample_ratio - 0.25).abs() < f64::EPSILON);
 }
+
+fn url() -> impl Strategy<Value = String> {
+    ("https?", "[a-z][a-z0-9.-]{0,12}", 1u16..).prop_map(|(s, h, p)| format!("{s}://{h}:{p}"))
+}
+
+fn router_args() -> impl Strategy<Value = RouterArgs> {
+    let endpoints = prop_oneof![
+        (word(), proptest::option::of(word())).prop_map(|(name, ns)| (
+            Some(name),
+            ns,
+            vec![],
+            vec![],
+            0u8
+        )),
+        (
+            proptest::collection::vec(url(), 1..4),
+            proptest::collection::vec(url(), 0..3),
+            0u8..=100,
+        )
+            .prop_map(|(stable, canary, weight)| {
+                let weight = if canary.is_empty() { 0 } else { weight };
+                (None, None, stable, canary, weight)
+            }),
+    ];
+    let choice = (
+        prop_oneof![
+            Just(RoutePolicy::Cost),
+            Just(RoutePolicy::LeastInFlight),
+            Just(RoutePolicy::RoundRobin),
+        ],
+        0.0f64..100.0,
+        any::<usize>(),
+        1u32..,
+        "[a-z][a-z0-9-]{0,20}",
+    );
+    let timing = (
+        millis(),
+        millis(),
+        any::<u32>(),
+        millis(),
+        millis(),
+        millis(),
+        millis(),
+    );
+    (any::<[u8; 4]>(), any::<u16>(), endpoints, choice, timing, telemetry_args()).prop_map(
+        |(ip, port, endpoints, choice, timing, telemetry)| {
+            let (inference_service, namespace, stable, canary, canary_weight) = endpoints;
+            let (policy, prefill_load_scale, saturation_waiting, prefix_block_chars, session_header) =
+                choice;
+            let (slo, load_interval, max_retries, load_stale, retry_budget, shutdown_timeout, tpot) =
+                timing;
+            // The SLO flags exist only without Kubernetes; with it they keep the defaults.
+            let static_mode = inference_service.is_none();
+            RouterArgs {
+                host: IpAddr::V4(Ipv4Addr::from(ip)),
+                port,
+                inference_service,
+                namespace,
+                stable,
+                canary,
+                canary_weight,
+                slo_ttft: if static_mode { slo } else { Duration::from_secs(2) },
+                slo_tpot: if static_mode { tpot } else { Duration::from_millis(150) },
+                policy,
+                prefill_load_scale,
+                saturation_waiting,
+                prefix_block_chars,
+                session_header,
+                load_interval,
+                load_stale,
+                max_retries,
+                retry_budget,
+                shutdown_timeout,
+                telemetry,
+            }
+        },
+    )
+}
+
+proptest! {
+    #[test]
+    fn router_args_round_trip_every_field(args in router_args()) {
+        let parsed = RouterArgs::parse_from(args.to_args());
+        prop_assert_eq!(parsed.map_err(|e| e.to_string()), Ok(args));
+    }
+}
+
+#[test]
+fn router_needs_endpoints_and_refuses_mixing_kubernetes_with_static_ones() {
+    assert!(RouterArgs::parse_from(Vec::<String>::new()).is_err());
+    let mixed = RouterArgs::for_inference_service("chat")
+        .and_then(|a| a.with_extra_args(&["--stable=http://127.0.0.1:8000"]));
+    assert!(
+        mixed.is_err(),
+        "--inference-service with --stable must be refused"
+    );
+    let weight = RouterArgs::parse_from([
+        "--stable=http://a:1".to_owned(),
+        "--canary-weight=5".to_owned(),
+    ]);
+    assert!(
+        weight.is_err(),
+        "--canary-weight without --canary must be refused"
+    );
+    let over = RouterArgs::parse_from(
+        [
+            "--stable=http://a:1",
+            "--canary=http://b:1",
+            "--canary-weight=101",
+        ]
+        .map(str::to_owned),
+    );
+    assert!(over.is_err(), "a weight over 100 must be refused");
+}
+
+#[test]
+fn load_report_is_json_both_ways() {
+    let report = LoadReport {
+        release: "abc123".into(),
+        models: vec!["smollm2".into()],
+        running: 3,
+        waiting: 1,
+        kv_blocks_used: 40,
+        kv_blocks_total: 2048,
+        kv_block_size: 16,
+        draining: false,
+    };
+    let json = serde_json::to_string(&report).unwrap_or_default();
+    assert!(json.contains("\"kv_blocks_used\":40"), "{json}");
+    let back: LoadReport = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    assert_eq!(back, report);
+}
