@@ -20,6 +20,7 @@
 //! ([`units::parse_size`]).
 
 pub mod fetch;
+pub mod labels;
 pub mod metrics;
 pub mod router;
 pub mod serve;

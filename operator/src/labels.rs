@@ -7,21 +7,13 @@
 
 use std::collections::BTreeMap;
 
-/// The one field manager of every write the operator makes.
-pub const FIELD_MANAGER: &str = "slipway-operator";
+pub use slipway_contract::labels::{
+    COMPONENT, ENGINE_COMPONENT, FIELD_MANAGER, INSTANCE, MANAGED_BY, NAME, PART_OF, RANK, RELEASE,
+    ROUTER_COMPONENT, VERSION, release_service,
+};
 
-pub const NAME: &str = "app.kubernetes.io/name";
-pub const INSTANCE: &str = "app.kubernetes.io/instance";
-pub const COMPONENT: &str = "app.kubernetes.io/component";
-pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
-pub const PART_OF: &str = "app.kubernetes.io/part-of";
-pub const VERSION: &str = "app.kubernetes.io/version";
-/// Short release-bundle hash.
-pub const RELEASE: &str = "slipway.dev/release";
 /// Group index, `0..desired`.
 pub const GROUP: &str = "slipway.dev/group";
-/// Rank inside the group; 0 is the leader.
-pub const RANK: &str = "slipway.dev/rank";
 
 /// Hash of the rendered pod: a pod whose hash differs from the plan's is outdated and
 /// its group is recreated (pod specs are immutable).
@@ -68,7 +60,7 @@ pub fn instance_selector_string(instance: &str) -> String {
 /// Labels of every engine pod of `instance` (the client Service selects these).
 pub fn engine_selector(instance: &str) -> BTreeMap<String, String> {
     let mut labels = instance_selector(instance);
-    labels.insert(COMPONENT.to_owned(), "engine".to_owned());
+    labels.insert(COMPONENT.to_owned(), ENGINE_COMPONENT.to_owned());
     labels
 }
 
@@ -87,11 +79,6 @@ pub fn client_service(instance: &str) -> String {
 /// Name of a group's headless Service: the subdomain of its pods' DNS names.
 pub fn group_service(instance: &str, group: u32) -> String {
     format!("{instance}-g{group}")
-}
-
-/// Name of a release's Service.
-pub fn release_service(instance: &str, release: &str) -> String {
-    format!("{instance}-{release}")
 }
 
 /// Name (and hostname) of a pod.
