@@ -156,6 +156,8 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             ttft: args.slo_ttft,
             tpot: args.slo_tpot,
         },
+        kv_blocks: g.num_blocks,
+        kv_block_size: g.block_size,
         #[cfg(feature = "fault-injection")]
         faults: slipway_engine::serving::http::FaultConfig {
             error_rate: args.faults.inject_error_rate,

@@ -257,6 +257,8 @@ impl Actor {
         m.running.set(st.running as i64);
         m.waiting.set(st.waiting as i64);
         m.kv_usage.set(st.kv_usage);
+        m.kv_blocks_used
+            .set(i64::try_from(self.s.blocks().num_used()).unwrap_or(i64::MAX));
         m.prefix_queries
             .inc_by(st.prefix_queries.saturating_sub(self.prefix_seen.0));
         m.prefix_hits

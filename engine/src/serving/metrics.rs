@@ -112,6 +112,9 @@ pub struct ServingMetrics {
     pub waiting: Gauge,
     /// Fraction of KV blocks in use.
     pub kv_usage: Gauge<f64, AtomicU64>,
+    /// KV blocks in use: not exported (it is `kv_usage` × the pool), read by the load
+    /// report (`GET /load`).
+    pub kv_blocks_used: Gauge,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: Counter,
     /// Generated tokens.
@@ -156,6 +159,7 @@ impl ServingMetrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
+            kv_blocks_used: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             prefix_queries: Counter::default(),

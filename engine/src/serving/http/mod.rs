@@ -37,6 +37,7 @@ use axum::{Json, Router};
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use sha2::Digest as _;
+use slipway_contract::{LoadReport, paths};
 use slipway_telemetry::{TRACE_TARGET, join_trace};
 use tracing::Instrument;
 
@@ -93,6 +94,10 @@ pub struct ApiConfig {
     pub max_output_tokens: usize,
     /// The SLO latency targets counted in `slipway_requests_slo_met_total`.
     pub slo: SloTargets,
+    /// KV blocks in the pool and positions per block, for the load report (`GET /load`).
+    pub kv_blocks: usize,
+    /// Token positions per KV block.
+    pub kv_block_size: usize,
     /// Test-only faults.
     pub faults: FaultConfig,
 }
@@ -106,6 +111,8 @@ impl Default for ApiConfig {
             max_model_len: 2048,
             max_output_tokens: 1024,
             slo: SloTargets::default(),
+            kv_blocks: 0,
+            kv_block_size: 16,
             faults: FaultConfig::default(),
         }
     }
@@ -201,9 +208,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { "ok" }))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
+        .route(paths::HEALTH, get(|| async { "ok" }))
+        .route(paths::READY, get(ready))
+        .route(paths::METRICS, get(metrics))
+        .route(paths::LOAD, get(load))
         .fallback(
             |method: axum::http::Method, uri: axum::http::Uri| async move {
                 ApiError::NoRoute(format!("{method} {}", uri.path()))
@@ -296,6 +304,22 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
         )
     };
     ([(header::CONTENT_TYPE, ctype)], body).into_response()
+}
+
+/// The router's view of this engine: cheap to answer (gauges the engine actor keeps
+/// current every step, no round trip through it) and typed on both sides.
+async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
+    let m = &state.metrics;
+    Json(LoadReport {
+        release: state.config.release.clone(),
+        models: vec![state.config.model_name.clone()],
+        running: usize::try_from(m.running.get()).unwrap_or(0),
+        waiting: usize::try_from(m.waiting.get()).unwrap_or(0),
+        kv_blocks_used: usize::try_from(m.kv_blocks_used.get()).unwrap_or(0),
+        kv_blocks_total: state.config.kv_blocks,
+        kv_block_size: state.config.kv_block_size,
+        draining: !state.ready.load(Ordering::Relaxed),
+    })
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -76,6 +76,8 @@ fn state_with(adm: admission::AdmissionConfig, api: ApiConfig) -> Arc<AppState> 
                 model_name: MODEL.into(),
                 kv_namespace: "test".into(),
                 max_model_len: 512,
+                kv_blocks: g.num_blocks,
+                kv_block_size: g.block_size,
                 ..api
             },
             admission,
@@ -406,6 +408,54 @@ async fn drain_turns_ready_off_and_refuses_new_requests_with_retry_after() {
         send(&app, "GET", "/health", Body::empty(), false).await.0,
         StatusCode::OK
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_report_shows_requests_in_flight_their_blocks_and_draining() {
+    let state = state();
+    let app = router(Arc::clone(&state));
+    let load = |app: Router| async move {
+        let (status, body, _) = send(&app, "GET", "/load", Body::empty(), false).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        serde_json::from_str::<LoadReport>(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
+    };
+    let idle = load(app.clone()).await;
+    assert_eq!(idle.models, vec![MODEL.to_owned()]);
+    assert_eq!((idle.kv_blocks_total, idle.kv_block_size), (128, 16));
+    assert_eq!(
+        (idle.running, idle.kv_blocks_used, idle.draining),
+        (0, 0, false)
+    );
+
+    // A stream held open after its first chunk is running and holds blocks.
+    let req = HttpRequest::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200,
+                   "ignore_eos": true, "stream": true})
+            .to_string(),
+        ))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body().into_data_stream();
+    let _first = futures::StreamExt::next(&mut body).await;
+    let mut busy = load(app.clone()).await;
+    for _ in 0..100 {
+        if busy.running > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        busy = load(app.clone()).await;
+    }
+    assert_eq!(busy.running, 1, "{busy:?}");
+    assert!(busy.kv_blocks_used >= 1, "{busy:?}");
+    drop(body);
+
+    state.ready.store(false, Ordering::Relaxed);
+    assert!(load(app).await.draining);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
