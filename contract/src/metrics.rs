@@ -127,6 +127,9 @@ pub mod router {
     pub const CACHED_TOKENS: &str = "slipway_router_cached_tokens";
     /// Counter family: prompt tokens of routed requests, as the engines reported them.
     pub const PROMPT_TOKENS: &str = "slipway_router_prompt_tokens";
+    /// Counter family of requests by how the prediction compared with the engine's
+    /// report (`result`: matched within one KV block, over, under).
+    pub const PREFIX_PREDICTIONS: &str = "slipway_router_prefix_predictions";
     /// Counter family of retries, by release and reason.
     pub const RETRIES: &str = "slipway_router_retries";
     /// Counter family of endpoints left out of a choice, by release and reason.
@@ -138,6 +141,8 @@ pub mod router {
 
     /// Label of [`RETRIES`] and [`EXCLUDED`]: why.
     pub const REASON_LABEL: &str = "reason";
+    /// Label of [`PREFIX_PREDICTIONS`].
+    pub const RESULT_LABEL: &str = "result";
     /// Label of [`DECISIONS`]: the `--policy` that decided.
     pub const POLICY_LABEL: &str = "policy";
 }

@@ -225,6 +225,32 @@ pub fn join_trace(span: &tracing::Span, headers: &http::HeaderMap) -> String {
     id.to_string()
 }
 
+/// Writes the trace context of `span` (a request span joined with [`join_trace`]) into
+/// `outgoing` as a W3C `traceparent` for the next hop, so the engine's spans go under
+/// the router's. When the span is not exported (no OTLP endpoint), the caller's own
+/// `traceparent` and `tracestate` pass through unchanged, so the next hop still joins
+/// the client's trace.
+pub fn inject_trace(
+    span: &tracing::Span,
+    incoming: &http::HeaderMap,
+    outgoing: &mut http::HeaderMap,
+) {
+    TraceContextPropagator::new().inject_context(
+        &span.context(),
+        &mut opentelemetry_http::HeaderInjector(outgoing),
+    );
+    if !outgoing.contains_key(TRACEPARENT) {
+        for name in [TRACEPARENT, TRACESTATE] {
+            if let Some(value) = incoming.get(name) {
+                outgoing.insert(name, value.clone());
+            }
+        }
+    }
+}
+
+const TRACEPARENT: &str = "traceparent";
+const TRACESTATE: &str = "tracestate";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,5 +286,21 @@ mod tests {
         assert_eq!(a.len(), 32);
         assert_ne!(a, b);
         assert_ne!(a, TraceId::INVALID.to_string());
+    }
+
+    #[test]
+    fn without_an_exporter_the_callers_traceparent_passes_through() {
+        let mut incoming = http::HeaderMap::new();
+        let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        incoming.insert("traceparent", http::HeaderValue::from_static(parent));
+        let mut outgoing = http::HeaderMap::new();
+        inject_trace(&tracing::Span::none(), &incoming, &mut outgoing);
+        assert_eq!(
+            outgoing.get("traceparent").and_then(|v| v.to_str().ok()),
+            Some(parent)
+        );
+        let mut none = http::HeaderMap::new();
+        inject_trace(&tracing::Span::none(), &http::HeaderMap::new(), &mut none);
+        assert!(none.is_empty());
     }
 }
