@@ -16,6 +16,12 @@
 //! [`metrics`] (measured at the gateway) and [`server`] (routes, readiness, drain).
 
 pub mod choose;
+pub mod discovery;
+pub mod endpoints;
+pub mod load;
+pub mod metrics;
 pub mod prefix;
+pub mod proxy;
 pub mod retry;
+pub mod server;
 pub mod split;

@@ -1,0 +1,65 @@
+//! Reads every endpoint's load report (`GET /load`, [`LoadReport`]) at a short
+//! interval into the live view. A poll that cannot connect marks the endpoint not
+//! ready until one succeeds; one that answers badly leaves the last report to go
+//! stale, and the choice then falls back to least-in-flight.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use slipway_contract::{LoadReport, paths};
+
+use crate::endpoints::Live;
+
+/// Polls forever (the caller aborts the task at shutdown).
+pub async fn poll(live: Arc<Live>, client: reqwest::Client, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let urls = live.urls();
+        // The report describes the engine as of about when it was asked: requests the
+        // router sends after this instant are not in it (they count as pending).
+        let asked = Instant::now();
+        let polls = urls.iter().map(|url| poll_one(&client, url, interval));
+        for (url, result) in urls.iter().zip(join_all(polls).await) {
+            match result {
+                Poll::Report(report) => live.record_load(url, Some(report), asked),
+                Poll::Unreachable(why) => {
+                    tracing::debug!(%url, %why, "load poll could not connect");
+                    live.record_load(url, None, asked);
+                }
+                Poll::Bad(why) => tracing::debug!(%url, %why, "load poll failed"),
+            }
+        }
+    }
+}
+
+enum Poll {
+    Report(LoadReport),
+    Unreachable(reqwest::Error),
+    Bad(String),
+}
+
+async fn poll_one(client: &reqwest::Client, url: &str, interval: Duration) -> Poll {
+    // A poll may take at most a few intervals: a slow engine goes stale, never
+    // blocks the others' polls for long.
+    let timeout = (interval * 4).max(Duration::from_millis(500));
+    let response = match client
+        .get(format!("{url}{}", paths::LOAD))
+        .timeout(timeout)
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(e) if e.is_connect() => return Poll::Unreachable(e),
+        Err(e) => return Poll::Bad(e.to_string()),
+    };
+    if !response.status().is_success() {
+        return Poll::Bad(format!("status {}", response.status()));
+    }
+    match response.json::<LoadReport>().await {
+        Ok(report) => Poll::Report(report),
+        Err(e) => Poll::Bad(e.to_string()),
+    }
+}
