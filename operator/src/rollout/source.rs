@@ -39,7 +39,7 @@ use slipway_api::duration;
 use slipway_api::spec::{AnalysisSpec, MetricsSourceKind};
 use slipway_contract::metrics::{
     GENERATION_TOKENS, OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET,
-    counter_total,
+    counter_total, router,
 };
 
 use super::analysis::{MetricsReading, ReleaseWindows, WindowCounts};
@@ -120,15 +120,39 @@ impl Counters {
     }
 }
 
-/// Reads the counters of `release` from Prometheus text format: the SLO-met count,
-/// `slipway_requests_total` by outcome and the generated tokens. Lines it does not
-/// need, or cannot parse, are skipped.
+/// Which metric families a scrape reads: the engine's, or the router's, which count
+/// the same things at the gateway (the client-side boundary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Families {
+    /// `slipway_requests_total`, `slipway_requests_slo_met_total`,
+    /// `slipway_generation_tokens_total` of an engine pod.
+    Engine,
+    /// `slipway_router_requests_total` and `slipway_router_requests_slo_met_total` of
+    /// a router pod, one series per release it routes to.
+    Router,
+}
+
+/// Reads the counters of `release` from an engine's Prometheus text: the SLO-met
+/// count, `slipway_requests_total` by outcome and the generated tokens. Lines it does
+/// not need, or cannot parse, are skipped.
 pub fn parse_counters(text: &str, release: &str) -> Counters {
-    let (good_name, requests_name, tokens_name) = (
-        counter_total(REQUESTS_SLO_MET),
-        counter_total(REQUESTS),
-        counter_total(GENERATION_TOKENS),
-    );
+    parse_family_counters(text, release, Families::Engine)
+}
+
+/// Reads the counters of `release` from the text of `families`' process.
+pub fn parse_family_counters(text: &str, release: &str, families: Families) -> Counters {
+    let (good_name, requests_name, tokens_name) = match families {
+        Families::Engine => (
+            counter_total(REQUESTS_SLO_MET),
+            counter_total(REQUESTS),
+            Some(counter_total(GENERATION_TOKENS)),
+        ),
+        Families::Router => (
+            counter_total(router::REQUESTS_SLO_MET),
+            counter_total(router::REQUESTS),
+            None,
+        ),
+    };
     let mut counters = Counters::default();
     for line in text.lines() {
         let line = line.trim();
@@ -143,7 +167,7 @@ pub fn parse_counters(text: &str, release: &str) -> Counters {
         }
         if name == good_name {
             counters.good += value;
-        } else if name == tokens_name {
+        } else if tokens_name.as_deref() == Some(name) {
             counters.generated_tokens += value;
         } else if name == requests_name {
             let outcome = labels
@@ -434,6 +458,14 @@ pub struct Scraper {
     address_map: HashMap<String, String>,
 }
 
+/// One round of router scrapes: (series key, release, counters) per router pod and
+/// release, and a sentence per router that failed.
+#[derive(Debug, Default)]
+pub struct ScrapedRouters {
+    pub counters: Vec<(String, String, Counters)>,
+    pub failures: Vec<String>,
+}
+
 /// One round of scrapes: the counters read, and a sentence per pod that failed.
 pub struct Scraped<'a> {
     pub counters: Vec<(&'a Target, Counters)>,
@@ -465,17 +497,7 @@ impl Scraper {
                 .get(&target.ip)
                 .cloned()
                 .unwrap_or_else(|| format!("{}:{}", target.ip, slipway_contract::ENGINE_PORT));
-            let result = async {
-                let response = self
-                    .http
-                    .get(format!("http://{address}/metrics"))
-                    .send()
-                    .await?
-                    .error_for_status()?;
-                response.text().await
-            }
-            .await;
-            match result {
+            match self.get_text(&address).await {
                 Ok(text) => scraped
                     .counters
                     .push((target, parse_counters(&text, &target.release))),
@@ -485,6 +507,50 @@ impl Scraper {
             }
         }
         scraped
+    }
+
+    /// Scrapes every router pod once (at the router's port): per pod, the counters of
+    /// each of `releases`, as if each were a pod of its own (`<uid>/<release>`), so the
+    /// sample store's per-pod window math applies unchanged.
+    pub async fn scrape_routers(&self, routers: &[Target], releases: &[&str]) -> ScrapedRouters {
+        let mut scraped = ScrapedRouters::default();
+        for target in routers {
+            let address = self
+                .address_map
+                .get(&target.ip)
+                .cloned()
+                .unwrap_or_else(|| {
+                    format!("{}:{}", target.ip, slipway_contract::router::ROUTER_PORT)
+                });
+            match self.get_text(&address).await {
+                Ok(text) => {
+                    for release in releases {
+                        scraped.counters.push((
+                            format!("{}/{release}", target.uid),
+                            (*release).to_owned(),
+                            parse_family_counters(&text, release, Families::Router),
+                        ));
+                    }
+                }
+                Err(e) => scraped
+                    .failures
+                    .push(format!("router {} ({address}): {e}", target.pod)),
+            }
+        }
+        scraped
+    }
+
+    async fn get_text(&self, address: &str) -> reqwest::Result<String> {
+        self.http
+            .get(format!(
+                "http://{address}{}",
+                slipway_contract::paths::METRICS
+            ))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await
     }
 
     /// One instant query's scalar (see [`parse_query_response`]).
@@ -819,5 +885,30 @@ slipway_requests_slo_met_created{model="smol",release="abc"} 1.7e9
                 .contains("parse error")
         );
         assert!(parse_query_response("<html>").is_err());
+    }
+
+    #[test]
+    fn router_counters_are_read_per_release_from_the_router_families() {
+        let text = r#"# TYPE slipway_router_requests counter
+slipway_router_requests_total{release="canary1",outcome="ok"} 9
+slipway_router_requests_total{release="canary1",outcome="error"} 1
+slipway_router_requests_total{release="stable1",outcome="ok"} 90
+slipway_router_requests_total{release="stable1",outcome="cancelled"} 3
+slipway_router_requests_slo_met_total{release="canary1"} 7
+slipway_router_requests_slo_met_total{release="stable1"} 88
+slipway_requests_total{release="canary1",outcome="ok"} 1000
+"#;
+        let canary = parse_family_counters(text, "canary1", Families::Router);
+        assert_eq!(
+            (canary.good, canary.eligible, canary.requests),
+            (7.0, 10.0, 10.0)
+        );
+        let stable = parse_family_counters(text, "stable1", Families::Router);
+        assert_eq!(
+            (stable.good, stable.eligible, stable.requests),
+            (88.0, 90.0, 93.0)
+        );
+        // The engine's families are not the router's.
+        assert_eq!(parse_counters(text, "canary1").requests, 1000.0);
     }
 }
