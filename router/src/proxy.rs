@@ -92,7 +92,7 @@ const FORWARDED: [HeaderName; 4] = [
     header::AUTHORIZATION,
     header::ACCEPT,
     HeaderName::from_static("x-tenant"),
-    HeaderName::from_static("x-request-id"),
+    REQUEST_ID,
 ];
 
 /// The response headers a client needs from the engine.
@@ -107,14 +107,28 @@ const RELAYED: [HeaderName; 4] = [
 pub async fn forward(
     State(app): State<Arc<App>>,
     uri: Uri,
-    headers: HeaderMap,
+    mut headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    // One id from the client through the router to the engine, so their log lines
+    // join: the client's when it is sane, else a fresh one.
+    let request_id = headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(
+            || format!("rt-{:016x}", rand::random::<u64>()),
+            str::to_owned,
+        );
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        headers.insert(REQUEST_ID, value);
+    }
     let span = tracing::info_span!(
         target: TRACE_TARGET,
         "route",
         otel.name = %format!("route {}", uri.path()),
         otel.kind = "server",
+        request_id = %request_id,
         trace_id = tracing::field::Empty,
         release = tracing::field::Empty,
         endpoint = tracing::field::Empty,
@@ -127,8 +141,14 @@ pub async fn forward(
         .instrument(span.clone())
         .await;
     span.record("http.response.status_code", response.status().as_u16());
+    let mut response = response;
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert(REQUEST_ID, value);
+    }
     response
 }
+
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// What the router read from a request body.
 struct Request {
