@@ -103,6 +103,12 @@ pub struct InferenceServiceSpec {
     /// Overrides merged into every engine pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_template: Option<PodOverrides>,
+
+    /// The router that carries client traffic: the client Service selects its pods,
+    /// and it sends each request to the stable or canary release by the canary's
+    /// request weight. Where its pods run, and an optional Gateway API route to it.
+    #[serde(default)]
+    pub router: RouterSpec,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -610,8 +616,9 @@ fn positive_duration(field: &str) -> kube::core::Rule {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutSpec {
-    /// Canary steps in order. Each sets the share of groups (percent) running the new
-    /// release, then waits `pause` while analysis gathers evidence. After the last step
+    /// Canary steps in order. Each sets the share of requests (percent) the router
+    /// sends to the new release, with enough canary groups to carry that share of the
+    /// demand, then waits `pause` while analysis gathers evidence. After the last step
     /// the new release becomes stable.
     #[serde(default = "default_steps")]
     #[schemars(length(min = 1, max = 20))]
@@ -674,7 +681,8 @@ fn default_steps() -> Vec<CanaryStep> {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct CanaryStep {
-    /// Percent of groups running the new release at this step, in (0, 100].
+    /// Percent of requests sent to the new release at this step, in (0, 100]; its
+    /// groups are `ceil(groups × weight / 100)`, at least one.
     #[schemars(range(min = 1, max = 100))]
     pub weight: i32,
 
@@ -900,4 +908,75 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub env: Vec<EnvVar>,
+}
+
+// ---------------------------------------------------------------------------------------
+// router
+// ---------------------------------------------------------------------------------------
+
+/// The router Deployment of an InferenceService (two pods, spread over fault domains).
+/// Not part of the release bundle: changing it never starts a rollout.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RouterSpec {
+    /// Node labels the router pods must match. Unset: any node (the router holds no
+    /// GPU, so it need not share the engines' node pool).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 32))]
+    pub node_selector: BTreeMap<String, String>,
+
+    /// Taints the router pods tolerate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Vec<Toleration>,
+
+    /// Also attach the router to Gateways of your own (Gateway API): the operator
+    /// renders a `gateway.networking.k8s.io/v1` HTTPRoute, named like the
+    /// InferenceService, whose backend is the router Service (port 80). Needs the
+    /// Gateway API CRDs in the cluster; without them the rest still reconciles and the
+    /// `HTTPRouteReady` condition says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_route: Option<HttpRouteSpec>,
+}
+
+/// The HTTPRoute the operator renders to the router Service.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpRouteSpec {
+    /// The Gateways (or their listeners) the route attaches to, as the HTTPRoute's
+    /// `spec.parentRefs`. The same rules as Gateway API's hold: a Gateway named twice
+    /// needs a distinct `sectionName` in each reference.
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(validation = Rule::new(
+        "self.all(p1, self.all(p2, p1.name == p2.name && (has(p1.__namespace__) ? p1.__namespace__ : '') == (has(p2.__namespace__) ? p2.__namespace__ : '') ? has(p1.sectionName) == has(p2.sectionName) : true))"
+    ).message("parentRefs: sectionName must be set in every reference to a Gateway named more than once"))]
+    #[x_kube(validation = Rule::new(
+        "self.all(p1, self.exists_one(p2, p1.name == p2.name && (has(p1.__namespace__) ? p1.__namespace__ : '') == (has(p2.__namespace__) ? p2.__namespace__ : '') && (has(p1.sectionName) ? p1.sectionName : '') == (has(p2.sectionName) ? p2.sectionName : '')))"
+    ).message("parentRefs: each Gateway (and sectionName) may be named only once"))]
+    pub parent_refs: Vec<GatewayParentRef>,
+}
+
+/// A Gateway the HTTPRoute attaches to (Gateway API's `ParentReference`, for the kind
+/// `Gateway` of group `gateway.networking.k8s.io`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayParentRef {
+    /// The Gateway's name.
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("parentRefs.name must be a Gateway name: lowercase letters, digits, '-' and '.'"))]
+    pub name: String,
+
+    /// The Gateway's namespace. Unset: the InferenceService's. A Gateway in another
+    /// namespace must allow routes from this one (its listeners' `allowedRoutes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("parentRefs.namespace must be a namespace name (a DNS label)"))]
+    pub namespace: Option<String>,
+
+    /// One listener of the Gateway, by name. Unset: every listener that allows the
+    /// route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("parentRefs.sectionName must be a listener name: lowercase letters, digits, '-' and '.'"))]
+    pub section_name: Option<String>,
 }

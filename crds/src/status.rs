@@ -25,6 +25,9 @@ pub mod condition {
     /// Another autoscaler (a HorizontalPodAutoscaler or a KEDA ScaledObject) targets
     /// this InferenceService. The operator alone sets group counts and ignores it.
     pub const SCALER_CONFLICT: &str = "ScalerConflict";
+    /// `spec.router.httpRoute`: whether the HTTPRoute to the router Service is applied
+    /// (False with reason `GatewayAPIMissing` when the cluster has no HTTPRoute CRD).
+    pub const HTTP_ROUTE_READY: &str = "HTTPRouteReady";
 }
 
 /// What the operator observed and decided.
@@ -136,7 +139,9 @@ pub struct CanaryStatus {
     pub hash: String,
     /// Index of the current step in `spec.rollout.steps`.
     pub step: i32,
-    /// Percent of groups running the canary now.
+    /// Percent of requests the router sends to the canary now: the step's weight once
+    /// the canary groups sized for it are ready, less while fewer are (never more than
+    /// the ready canary groups' share of all groups), 0 until one is ready.
     pub weight: i32,
     /// When the current step's canary groups were all ready (its pause and analysis
     /// count from here). Kept in status so an operator restart resumes the step

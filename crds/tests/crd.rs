@@ -52,6 +52,7 @@ fn crd_carries_the_validation_rules_people_read() {
         "capacity.demand needs static, measured, or both",
         "replicaGoodput must be positive",
         "slo.availability must be between 0 and 1",
+        "parentRefs: each Gateway (and sectionName) may be named only once",
     ] {
         assert!(text.contains(message), "CRD lacks the rule {message:?}");
     }
@@ -329,6 +330,46 @@ fn invalid_objects_are_rejected_with_their_message() {
             ),
             "adapter names must be unique",
         ),
+        (
+            "a Gateway named twice without listeners",
+            with(
+                &["spec", "router", "httpRoute", "parentRefs"],
+                json!([{"name": "public"}, {"name": "public"}]),
+            ),
+            "parentRefs: each Gateway (and sectionName) may be named only once",
+        ),
+        (
+            "a Gateway named twice, once with a listener",
+            with(
+                &["spec", "router", "httpRoute", "parentRefs"],
+                json!([{"name": "public"}, {"name": "public", "sectionName": "https"}]),
+            ),
+            "parentRefs: sectionName must be set in every reference to a Gateway named more than once",
+        ),
+        (
+            "a Gateway name with capitals",
+            with(
+                &["spec", "router", "httpRoute", "parentRefs"],
+                json!([{"name": "Public"}]),
+            ),
+            "parentRefs.name must be a Gateway name",
+        ),
+        (
+            "a Gateway namespace with a dot",
+            with(
+                &["spec", "router", "httpRoute", "parentRefs"],
+                json!([{"name": "public", "namespace": "a.b"}]),
+            ),
+            "parentRefs.namespace must be a namespace name",
+        ),
+        (
+            "a listener name with an underscore",
+            with(
+                &["spec", "router", "httpRoute", "parentRefs"],
+                json!([{"name": "public", "sectionName": "a_b"}]),
+            ),
+            "parentRefs.sectionName must be a listener name",
+        ),
     ];
     assert!(cases.len() >= 15);
     for (name, object, expected) in cases {
@@ -338,6 +379,22 @@ fn invalid_objects_are_rejected_with_their_message() {
             "{name}: expected {expected:?}, got {errors:?}"
         );
     }
+}
+
+#[test]
+fn distinct_gateway_references_are_accepted() {
+    // The same Gateway through two listeners, one in another namespace, one plain.
+    let object = with(
+        &["spec", "router", "httpRoute", "parentRefs"],
+        json!([
+            {"name": "public", "sectionName": "http"},
+            {"name": "public", "sectionName": "https"},
+            {"name": "public", "namespace": "gateways"},
+            {"name": "internal.example"},
+        ]),
+    );
+    assert_eq!(structural_errors(&object), Vec::<String>::new());
+    assert_eq!(cel_errors(&object, None), Vec::<String>::new());
 }
 
 #[test]
