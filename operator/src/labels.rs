@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 
 pub use slipway_contract::labels::{
-    COMPONENT, ENGINE_COMPONENT, FIELD_MANAGER, INSTANCE, MANAGED_BY, NAME, PART_OF, RANK, RELEASE,
-    ROUTER_COMPONENT, VERSION, release_service,
+    COMPONENT, ENDPOINT_SLICE_SERVICE, ENGINE_COMPONENT, FIELD_MANAGER, INSTANCE, MANAGED_BY, NAME,
+    PART_OF, RANK, RELEASE, ROUTER_COMPONENT, VERSION, release_service, router,
 };
 
 /// Group index, `0..desired`.
@@ -57,10 +57,17 @@ pub fn instance_selector_string(instance: &str) -> String {
     format!("{INSTANCE}={instance},{MANAGED_BY}={FIELD_MANAGER}")
 }
 
-/// Labels of every engine pod of `instance` (the client Service selects these).
+/// Labels of every engine pod of `instance`.
 pub fn engine_selector(instance: &str) -> BTreeMap<String, String> {
     let mut labels = instance_selector(instance);
     labels.insert(COMPONENT.to_owned(), ENGINE_COMPONENT.to_owned());
+    labels
+}
+
+/// Labels of the router pods of `instance` (the client Service selects these).
+pub fn router_selector(instance: &str) -> BTreeMap<String, String> {
+    let mut labels = instance_selector(instance);
+    labels.insert(COMPONENT.to_owned(), ROUTER_COMPONENT.to_owned());
     labels
 }
 
@@ -71,7 +78,8 @@ pub fn group_selector(instance: &str, group: u32) -> BTreeMap<String, String> {
     labels
 }
 
-/// Name of the client Service (and the PodDisruptionBudget).
+/// Name of the client Service (it selects the router pods), of the engines'
+/// PodDisruptionBudget and of the HTTPRoute.
 pub fn client_service(instance: &str) -> String {
     instance.to_owned()
 }

@@ -9,6 +9,8 @@
 //!
 //! - [`groups`]: how one replica (`tensor × pipeline` GPUs) is split into pods.
 //! - [`pod`]: the engine pod of one rank (why pods, not StatefulSets, is there).
+//! - [`router`]: the router in front of the engines (Deployment, its read-only RBAC,
+//!   PDB, the client Service, an optional Gateway API HTTPRoute).
 //! - [`plan`](mod@plan): objects, scale-in, group restarts, status and events.
 //! - [`conditions`]: condition merging and transition detection.
 //! - [`observed`]: the plain-data view of the cluster `plan` reads.
@@ -32,6 +34,7 @@ pub mod plan;
 pub mod pod;
 pub mod reconcile;
 pub mod rollout;
+pub mod router;
 pub mod scaling;
 
 pub use error::Error;

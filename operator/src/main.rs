@@ -49,6 +49,10 @@ struct Args {
     /// none. One InferenceService can still choose its own in `release.engine.args`.
     #[arg(long, value_name = "URL", value_parser = parse_http_url)]
     otlp_endpoint: Option<String>,
+    /// The image of the router pods put in front of each InferenceService's engines.
+    #[arg(long, env = "SLIPWAY_ROUTER_IMAGE", value_name = "IMAGE",
+          default_value = slipway_operator::router::DEFAULT_IMAGE)]
+    router_image: String,
 }
 
 #[tokio::main]
@@ -105,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
 
     let ctx = Arc::new(Context {
         engine_otlp_endpoint: args.otlp_endpoint.clone(),
+        router_image: Some(args.router_image.clone()),
         ..Context::new(client, elector.identity(), metrics.clone())
     });
     let mut controller_stop = stop_rx.clone();

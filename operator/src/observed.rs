@@ -31,7 +31,8 @@ pub struct Observed {
     /// Nodes by name.
     #[serde(default)]
     pub nodes: BTreeMap<String, ObservedNode>,
-    /// Pods listed as ready endpoints of the client Service (they receive traffic).
+    /// Leader pods listed as ready endpoints of a per-release Service: the router
+    /// sends them requests.
     #[serde(default)]
     pub serving_pods: BTreeSet<String>,
     /// Children carrying our labels whose group or rank cannot be read: deleted.
@@ -54,6 +55,31 @@ pub struct Observed {
     /// engine pods it renders export request traces.
     #[serde(default)]
     pub engine_otlp_endpoint: Option<String>,
+    /// Not read from the cluster: the operator's `--router-image`; `None` is
+    /// [`crate::router::DEFAULT_IMAGE`].
+    #[serde(default)]
+    pub router_image: Option<String>,
+    /// Children other than pods and Services that carry the instance labels, by kind:
+    /// whichever the plan no longer renders is deleted.
+    #[serde(default)]
+    pub labelled: BTreeMap<LabelledKind, BTreeSet<String>>,
+    /// The cluster serves no `gateway.networking.k8s.io/v1` HTTPRoute (its CRD is not
+    /// installed): `spec.router.httpRoute` cannot be honoured, and nothing else waits.
+    #[serde(default)]
+    pub http_route_crd_missing: bool,
+}
+
+/// Kinds of children found by label and deleted when the plan drops them (pods and
+/// Services have rules of their own in `plan`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum LabelledKind {
+    Deployment,
+    ServiceAccount,
+    Role,
+    RoleBinding,
+    PodDisruptionBudget,
+    #[serde(rename = "HTTPRoute")]
+    HttpRoute,
 }
 
 /// The pod phase, as far as groups care.

@@ -31,29 +31,33 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Pod, Service, ServiceAccount, ServicePort, ServiceSpec};
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
     LabelSelector, ObjectMeta, OwnerReference, Time,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::SignedDuration;
 use kube::Resource;
+use kube::api::DynamicObject;
 use slipway_api::InferenceService;
 use slipway_api::bundle::bundle_hash;
 use slipway_api::capacity::{CapacityPlan, worst_domain_loss};
 use slipway_api::drain::{DrainBudget, DrainInput, drain_budget};
 use slipway_api::spec::InferenceServiceSpec;
 use slipway_api::status::{CapacityStatus, InferenceServiceStatus, ReplicaCounts, condition};
-use slipway_contract::ServeArgs;
+use slipway_contract::{RouterArgs, ServeArgs};
 
 use crate::conditions::{self, Change, Computed};
 use crate::groups::{GroupShape, group_shape};
 use crate::labels;
-use crate::observed::{GroupRecord, Observed, ObservedNode, ObservedPod, Phase};
+use crate::observed::{GroupRecord, LabelledKind, Observed, ObservedNode, ObservedPod, Phase};
 use crate::placement;
 use crate::pod::{ModelStaging, render, serve_args};
 use crate::rollout;
+use crate::router;
 use crate::scaling;
 
 /// Recreations of one group before it is held.
@@ -92,6 +96,12 @@ pub enum Child {
     Pod(Box<Pod>),
     Service(Box<Service>),
     PodDisruptionBudget(Box<PodDisruptionBudget>),
+    Deployment(Box<Deployment>),
+    ServiceAccount(Box<ServiceAccount>),
+    Role(Box<Role>),
+    RoleBinding(Box<RoleBinding>),
+    /// A Gateway API HTTPRoute, typed by the cluster's CRD (see [`crate::router`]).
+    HttpRoute(Box<DynamicObject>),
 }
 
 impl Child {
@@ -101,6 +111,11 @@ impl Child {
             Self::Pod(pod) => (ChildKind::Pod, &pod.metadata),
             Self::Service(service) => (ChildKind::Service, &service.metadata),
             Self::PodDisruptionBudget(pdb) => (ChildKind::PodDisruptionBudget, &pdb.metadata),
+            Self::Deployment(deployment) => (ChildKind::Deployment, &deployment.metadata),
+            Self::ServiceAccount(account) => (ChildKind::ServiceAccount, &account.metadata),
+            Self::Role(role) => (ChildKind::Role, &role.metadata),
+            Self::RoleBinding(binding) => (ChildKind::RoleBinding, &binding.metadata),
+            Self::HttpRoute(route) => (ChildKind::HttpRoute, &route.metadata),
         };
         ChildRef {
             kind,
@@ -115,6 +130,40 @@ pub enum ChildKind {
     Pod,
     Service,
     PodDisruptionBudget,
+    Deployment,
+    ServiceAccount,
+    Role,
+    RoleBinding,
+    HttpRoute,
+}
+
+impl ChildKind {
+    /// The Kubernetes kind.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pod => "Pod",
+            Self::Service => "Service",
+            Self::PodDisruptionBudget => "PodDisruptionBudget",
+            Self::Deployment => "Deployment",
+            Self::ServiceAccount => "ServiceAccount",
+            Self::Role => "Role",
+            Self::RoleBinding => "RoleBinding",
+            Self::HttpRoute => "HTTPRoute",
+        }
+    }
+}
+
+impl From<LabelledKind> for ChildKind {
+    fn from(kind: LabelledKind) -> Self {
+        match kind {
+            LabelledKind::Deployment => Self::Deployment,
+            LabelledKind::ServiceAccount => Self::ServiceAccount,
+            LabelledKind::Role => Self::Role,
+            LabelledKind::RoleBinding => Self::RoleBinding,
+            LabelledKind::PodDisruptionBudget => Self::PodDisruptionBudget,
+            LabelledKind::HttpRoute => Self::HttpRoute,
+        }
+    }
 }
 
 /// A child by kind and name (in the InferenceService's namespace).
@@ -156,6 +205,8 @@ pub struct Context<'a> {
     pub serve: ServeArgs,
     /// Where engines export request traces (the operator's `--otlp-endpoint`).
     pub engine_otlp_endpoint: Option<&'a str>,
+    /// The router container's arguments.
+    pub router: RouterArgs,
 }
 
 /// What happens to one group in this plan.
@@ -235,9 +286,10 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
             &drain,
             observed.engine_otlp_endpoint.as_deref(),
         )?;
-        Ok((shape, capacity, drain, model, kv_namespace, serve))
+        let router = router::args(name, &drain, observed.engine_otlp_endpoint.as_deref())?;
+        Ok((shape, capacity, drain, model, kv_namespace, serve, router))
     })();
-    let (shape, capacity, drain, model, kv_namespace, serve) = match checked {
+    let (shape, capacity, drain, model, kv_namespace, serve, router) = match checked {
         Ok(parts) => parts,
         Err(reason) => return invalid(&previous, generation, now, reason),
     };
@@ -269,6 +321,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
         model,
         serve,
         engine_otlp_endpoint: observed.engine_otlp_endpoint.as_deref(),
+        router,
     };
     let stable_ctx = if stable == ctx.release {
         Some(ctx.clone())
@@ -762,27 +815,45 @@ fn plan_valid(
             .into_iter()
             .map(|s| Child::Service(Box::new(s))),
     );
-    apply.push(Child::Service(Box::new(client_service(
+    // Clients reach the router; the router reaches each release's leaders through
+    // that release's Service.
+    apply.push(Child::Service(Box::new(router::client_service(ctx))));
+    apply.push(Child::Service(Box::new(release_service(
         ctx,
         &current_release_service,
-        false,
-    ))));
-    apply.push(Child::Service(Box::new(client_service(
-        ctx,
-        &current_release_service,
-        true,
     ))));
     if let Some(stable_ctx) = stable.ctx.filter(|s| s.release != ctx.release) {
-        apply.push(Child::Service(Box::new(client_service(
+        apply.push(Child::Service(Box::new(release_service(
             stable_ctx,
             &labels::release_service(ctx.name, stable.release),
-            true,
         ))));
     }
     apply.push(Child::PodDisruptionBudget(Box::new(pdb(
         ctx,
         capacity.healthy_needed,
     ))));
+    let router_image = observed
+        .router_image
+        .as_deref()
+        .unwrap_or(router::DEFAULT_IMAGE);
+    apply.extend(router::children(ctx, router_image, &ctx.router));
+    let route_spec = ctx.spec.router.http_route.as_ref();
+    if let Some(route) = route_spec.filter(|_| !observed.http_route_crd_missing) {
+        apply.push(Child::HttpRoute(Box::new(router::http_route(ctx, route))));
+    }
+    // Orphans by label: what carries our labels and this plan no longer renders.
+    let rendered: BTreeSet<ChildRef> = apply.iter().map(Child::reference).collect();
+    for (&kind, names) in &observed.labelled {
+        for name in names {
+            let child = ChildRef {
+                kind: kind.into(),
+                name: name.clone(),
+            };
+            if !rendered.contains(&child) {
+                delete.insert(child);
+            }
+        }
+    }
 
     // Status.
     let needed = capacity.healthy_needed;
@@ -862,6 +933,12 @@ fn plan_valid(
     }
     computed.push(sizing.decision.condition.clone());
     computed.push(scaler_conflict(&observed.external_scalers));
+    computed.extend(router::http_route_condition(
+        route_spec,
+        &labels::client_service(ctx.name),
+        observed.http_route_crd_missing,
+        &previous.conditions,
+    ));
 
     for new in &computed {
         let change = conditions::change(&previous.conditions, new);
@@ -1078,6 +1155,11 @@ fn condition_event(new: &Computed, change: Change) -> Option<PlannedEvent> {
             event(EventType::Warning, "DemandUnknown")
         }
         (condition::SCALER_CONFLICT, true, _) => event(EventType::Warning, "ScalerConflict"),
+        (condition::HTTP_ROUTE_READY, false, Change::New | Change::Flipped | Change::Reason)
+            if new.reason == router::GATEWAY_API_MISSING =>
+        {
+            event(EventType::Warning, router::GATEWAY_API_MISSING)
+        }
         _ => None,
     }
 }
@@ -1178,27 +1260,20 @@ fn group_service(ctx: &Context<'_>, record: &GroupRecord) -> Service {
     }
 }
 
-/// The client Service (all engine pods) or the current release's Service.
-fn client_service(ctx: &Context<'_>, release_name: &str, per_release: bool) -> Service {
+/// A release's Service: the leaders of its groups, the router's endpoints for it.
+fn release_service(ctx: &Context<'_>, name: &str) -> Service {
     // Leaders only: the leader of a group owns HTTP; its workers serve nothing.
     let mut selector = labels::engine_selector(ctx.name);
     selector.insert(labels::RANK.to_owned(), "0".to_owned());
+    selector.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());
     let mut service_labels = labels::instance_selector(ctx.name);
-    let name = if per_release {
-        selector.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());
-        service_labels.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());
-        release_name.to_owned()
-    } else {
-        labels::client_service(ctx.name)
-    };
-    let mut metadata = meta(ctx, name, service_labels);
-    if per_release {
-        // The bundle, so this release can be rendered again after the spec moved on.
-        metadata.annotations = Some(BTreeMap::from([(
-            labels::BUNDLE.to_owned(),
-            serde_json::to_string(&ctx.spec.release).unwrap_or_default(),
-        )]));
-    }
+    service_labels.insert(labels::RELEASE.to_owned(), ctx.release.to_owned());
+    let mut metadata = meta(ctx, name.to_owned(), service_labels);
+    // The bundle, so this release can be rendered again after the spec moved on.
+    metadata.annotations = Some(BTreeMap::from([(
+        labels::BUNDLE.to_owned(),
+        serde_json::to_string(&ctx.spec.release).unwrap_or_default(),
+    )]));
     Service {
         metadata,
         spec: Some(ServiceSpec {

@@ -50,7 +50,7 @@ use crate::plan::Context;
 /// Kubelet copies the tail of a failed container's log into its termination message
 /// when the container wrote none, so the engine's `Error: ...` line reaches the
 /// pod's status, where [`crate::observed`] reads it.
-const TERMINATION_MESSAGE_POLICY: &str = "FallbackToLogsOnError";
+pub(crate) const TERMINATION_MESSAGE_POLICY: &str = "FallbackToLogsOnError";
 /// Where the model volume is mounted in the engine container.
 const MODEL_DIR: &str = "/models";
 /// UID/GID of the distroless "nonroot" user; any non-zero id satisfies the policy.
@@ -266,16 +266,7 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
         // verification, a bad flag): it becomes the termination message the operator
         // reports.
         termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.to_owned()),
-        lifecycle: (ctx.drain.pre_stop_delay_seconds > 0).then(|| Lifecycle {
-            pre_stop: Some(LifecycleHandler {
-                // A sleep action needs no shell in the image (the engine image is static).
-                sleep: Some(SleepAction {
-                    seconds: i64::try_from(ctx.drain.pre_stop_delay_seconds).unwrap_or(i64::MAX),
-                }),
-                ..LifecycleHandler::default()
-            }),
-            ..Lifecycle::default()
-        }),
+        lifecycle: pre_stop(&ctx.drain),
         security_context: Some(container_security_context()),
         volume_mounts: Some(mounts),
         ..Container::default()
@@ -323,17 +314,7 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
         ),
         automount_service_account_token: Some(false),
         enable_service_links: Some(false),
-        security_context: Some(PodSecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(NON_ROOT_ID),
-            run_as_group: Some(NON_ROOT_ID),
-            fs_group: Some(NON_ROOT_ID),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_owned(),
-                ..SeccompProfile::default()
-            }),
-            ..PodSecurityContext::default()
-        }),
+        security_context: Some(pod_security_context()),
         init_containers: (!init_containers.is_empty()).then_some(init_containers),
         containers: vec![engine],
         volumes: Some(volumes),
@@ -356,7 +337,40 @@ fn model_mount(read_only: bool) -> VolumeMount {
     }
 }
 
-fn container_security_context() -> SecurityContext {
+/// The preStop hook of a drain budget: a sleep while endpoint removal propagates, so
+/// no new request arrives once the process stops admitting. None when the delay is 0.
+pub(crate) fn pre_stop(drain: &DrainBudget) -> Option<Lifecycle> {
+    (drain.pre_stop_delay_seconds > 0).then(|| Lifecycle {
+        pre_stop: Some(LifecycleHandler {
+            // A sleep action needs no shell in the image (both images are static).
+            sleep: Some(SleepAction {
+                seconds: i64::try_from(drain.pre_stop_delay_seconds).unwrap_or(i64::MAX),
+            }),
+            ..LifecycleHandler::default()
+        }),
+        ..Lifecycle::default()
+    })
+}
+
+/// The "restricted" Pod Security Standard at pod level, as the non-root user the
+/// images run as (the router's pods share it).
+pub(crate) fn pod_security_context() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(NON_ROOT_ID),
+        run_as_group: Some(NON_ROOT_ID),
+        fs_group: Some(NON_ROOT_ID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// The "restricted" Pod Security Standard for one container: no privilege, no
+/// capability, a read-only root filesystem.
+pub(crate) fn container_security_context() -> SecurityContext {
     SecurityContext {
         allow_privilege_escalation: Some(false),
         privileged: Some(false),
@@ -526,7 +540,7 @@ fn owned_flags(decided: &ServeArgs, merged: &ServeArgs) -> Vec<(&'static str, &'
 }
 
 /// clap's message without its usage block.
-fn first_line(error: &clap::Error) -> String {
+pub(crate) fn first_line(error: &clap::Error) -> String {
     let text = error.to_string();
     let line = text.lines().next().unwrap_or_default();
     line.strip_prefix("error: ").unwrap_or(line).to_owned()

@@ -6,14 +6,17 @@
 //! a no-op reconcile writes nothing at all. An invalid spec waits for a change; an API
 //! error is retried after a bounded delay.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::{Node, Pod, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{
@@ -33,9 +36,10 @@ use crate::demand::DemandReader;
 use crate::error::Error;
 use crate::labels;
 use crate::metrics::{Metrics, ServiceGauges};
-use crate::observed::{self, Observed};
+use crate::observed::{self, LabelledKind, Observed};
 use crate::plan::{self, Child, ChildKind, EventType as PlannedType, Plan};
 use crate::rollout;
+use crate::router;
 
 /// Resync period: look again even when nothing changed, in case a watch missed it.
 pub const RESYNC: Duration = Duration::from_secs(300);
@@ -53,6 +57,8 @@ pub struct Context {
     pub demand: DemandReader,
     /// Where engine pods export request traces (`--otlp-endpoint`).
     pub engine_otlp_endpoint: Option<String>,
+    /// The router pods' image (`--router-image`); `None` is the default image.
+    pub router_image: Option<String>,
 }
 
 impl Context {
@@ -68,6 +74,7 @@ impl Context {
             rollout_metrics: rollout::source::Reader::new(),
             demand: DemandReader::new(),
             engine_otlp_endpoint: None,
+            router_image: None,
         }
     }
 }
@@ -107,6 +114,11 @@ pub async fn run(
     .owns(scoped::<Pod>(&client, namespace), owned())
     .owns(scoped::<Service>(&client, namespace), owned())
     .owns(scoped::<PodDisruptionBudget>(&client, namespace), owned())
+    // The router's objects: one deleted or changed by hand is put back at once.
+    .owns(scoped::<Deployment>(&client, namespace), owned())
+    .owns(scoped::<ServiceAccount>(&client, namespace), owned())
+    .owns(scoped::<Role>(&client, namespace), owned())
+    .owns(scoped::<RoleBinding>(&client, namespace), owned())
     // Endpoint changes move `serving`. The endpoint-slice controller copies a
     // Service's labels onto its slices, so ours carry the instance label.
     .watches(
@@ -167,6 +179,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     observed
         .engine_otlp_endpoint
         .clone_from(&ctx.engine_otlp_endpoint);
+    observed.router_image.clone_from(&ctx.router_image);
     // Whole seconds: what the API server stores, so an unchanged status compares equal.
     let now =
         Time(Timestamp::from_second(Timestamp::now().as_second()).unwrap_or(Timestamp::UNIX_EPOCH));
@@ -387,16 +400,6 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
             what: "nodes",
             source,
         })?;
-    let slices = Api::<EndpointSlice>::namespaced(client.clone(), namespace)
-        .list(&ListParams::default().labels(&format!(
-            "kubernetes.io/service-name={}",
-            labels::client_service(name)
-        )))
-        .await
-        .map_err(|source| Error::Observe {
-            what: "endpointslices",
-            source,
-        })?;
 
     let mut observed = Observed::default();
     for pod in &pods.items {
@@ -425,8 +428,29 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
         .iter()
         .map(|node| (node.name_any(), observed::node_from(node)))
         .collect();
+    // Serving: ready endpoints of the per-release Services, which the router sends to.
+    let slices = if observed.release_services.is_empty() {
+        Vec::new()
+    } else {
+        let names: Vec<&str> = observed
+            .release_services
+            .iter()
+            .map(String::as_str)
+            .collect();
+        Api::<EndpointSlice>::namespaced(client.clone(), namespace)
+            .list(&ListParams::default().labels(&format!(
+                "{} in ({})",
+                labels::ENDPOINT_SLICE_SERVICE,
+                names.join(",")
+            )))
+            .await
+            .map_err(|source| Error::Observe {
+                what: "endpointslices",
+                source,
+            })?
+            .items
+    };
     observed.serving_pods = slices
-        .items
         .iter()
         .flat_map(|slice| slice.endpoints.iter().flatten())
         .filter(|endpoint| {
@@ -438,7 +462,79 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
         })
         .filter_map(|endpoint| endpoint.target_ref.as_ref()?.name.clone())
         .collect();
+    observed.labelled = BTreeMap::from([
+        (
+            LabelledKind::Deployment,
+            names::<Deployment>(client, namespace, &selector, "deployments").await?,
+        ),
+        (
+            LabelledKind::ServiceAccount,
+            names::<ServiceAccount>(client, namespace, &selector, "serviceaccounts").await?,
+        ),
+        (
+            LabelledKind::Role,
+            names::<Role>(client, namespace, &selector, "roles").await?,
+        ),
+        (
+            LabelledKind::RoleBinding,
+            names::<RoleBinding>(client, namespace, &selector, "rolebindings").await?,
+        ),
+        (
+            LabelledKind::PodDisruptionBudget,
+            names::<PodDisruptionBudget>(client, namespace, &selector, "poddisruptionbudgets")
+                .await?,
+        ),
+    ]);
+    // HTTPRoutes are a CRD of their own: a cluster without it answers 404, which is a
+    // fact for the plan (a condition), never a failed reconcile.
+    match Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        namespace,
+        &router::http_route_resource(),
+    )
+    .list(&selector)
+    .await
+    {
+        Ok(routes) => {
+            observed.labelled.insert(
+                LabelledKind::HttpRoute,
+                routes.items.iter().map(ResourceExt::name_any).collect(),
+            );
+        }
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            observed.http_route_crd_missing = true;
+        }
+        Err(source) => {
+            return Err(Error::Observe {
+                what: "httproutes",
+                source,
+            });
+        }
+    }
     Ok(observed)
+}
+
+/// Names of the `K`s that `selector` lists in `namespace`.
+async fn names<K>(
+    client: &Client,
+    namespace: &str,
+    selector: &ListParams,
+    what: &'static str,
+) -> Result<BTreeSet<String>, Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    Ok(Api::<K>::namespaced(client.clone(), namespace)
+        .list_metadata(selector)
+        .await
+        .map_err(|source| Error::Observe { what, source })?
+        .items
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect())
 }
 
 async fn apply_one<K>(
@@ -477,37 +573,85 @@ async fn apply(client: &Client, namespace: &str, plan: &Plan) -> Result<(), Erro
             Child::PodDisruptionBudget(pdb) => {
                 apply_one(client, namespace, "PodDisruptionBudget", pdb.as_ref()).await?
             }
+            Child::Deployment(deployment) => {
+                apply_one(client, namespace, "Deployment", deployment.as_ref()).await?
+            }
+            Child::ServiceAccount(account) => {
+                apply_one(client, namespace, "ServiceAccount", account.as_ref()).await?
+            }
+            Child::Role(role) => apply_one(client, namespace, "Role", role.as_ref()).await?,
+            Child::RoleBinding(binding) => {
+                apply_one(client, namespace, "RoleBinding", binding.as_ref()).await?
+            }
+            Child::HttpRoute(route) => apply_http_route(client, namespace, route).await?,
         }
     }
     Ok(())
+}
+
+/// Server-side applies the HTTPRoute. Its CRD removed since `observe` looked (404) only
+/// skips it: the next reconcile observes the CRD missing and says so in a condition.
+async fn apply_http_route(
+    client: &Client,
+    namespace: &str,
+    route: &DynamicObject,
+) -> Result<(), Error> {
+    let name = route.name_any();
+    let result = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        namespace,
+        &router::http_route_resource(),
+    )
+    .patch(
+        &name,
+        &PatchParams::apply(labels::FIELD_MANAGER).force(),
+        &Patch::Apply(route),
+    )
+    .await;
+    match result {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            warn!(%name, %namespace, "the HTTPRoute CRD is gone; the route is not applied");
+            Ok(())
+        }
+        Err(source) => Err(Error::Apply {
+            kind: "HTTPRoute",
+            name,
+            source,
+        }),
+    }
 }
 
 /// Deletes what the plan drops; already gone is fine.
 async fn delete(client: &Client, namespace: &str, plan: &Plan) -> Result<(), Error> {
     for child in &plan.delete {
         let params = DeleteParams::default();
-        let (kind, result) = match child.kind {
-            ChildKind::Pod => (
-                "Pod",
-                Api::<Pod>::namespaced(client.clone(), namespace)
-                    .delete(&child.name, &params)
-                    .await
-                    .map(|_| ()),
-            ),
-            ChildKind::Service => (
-                "Service",
-                Api::<Service>::namespaced(client.clone(), namespace)
-                    .delete(&child.name, &params)
-                    .await
-                    .map(|_| ()),
-            ),
-            ChildKind::PodDisruptionBudget => (
-                "PodDisruptionBudget",
-                Api::<PodDisruptionBudget>::namespaced(client.clone(), namespace)
-                    .delete(&child.name, &params)
-                    .await
-                    .map(|_| ()),
-            ),
+        let name = child.name.as_str();
+        let kind = child.kind.as_str();
+        let result = match child.kind {
+            ChildKind::Pod => delete_one::<Pod>(client, namespace, name, &params).await,
+            ChildKind::Service => delete_one::<Service>(client, namespace, name, &params).await,
+            ChildKind::PodDisruptionBudget => {
+                delete_one::<PodDisruptionBudget>(client, namespace, name, &params).await
+            }
+            ChildKind::Deployment => {
+                delete_one::<Deployment>(client, namespace, name, &params).await
+            }
+            ChildKind::ServiceAccount => {
+                delete_one::<ServiceAccount>(client, namespace, name, &params).await
+            }
+            ChildKind::Role => delete_one::<Role>(client, namespace, name, &params).await,
+            ChildKind::RoleBinding => {
+                delete_one::<RoleBinding>(client, namespace, name, &params).await
+            }
+            ChildKind::HttpRoute => Api::<DynamicObject>::namespaced_with(
+                client.clone(),
+                namespace,
+                &router::http_route_resource(),
+            )
+            .delete(name, &params)
+            .await
+            .map(|_| ()),
         };
         match result {
             Ok(()) => {}
@@ -542,6 +686,24 @@ async fn delete(client: &Client, namespace: &str, plan: &Plan) -> Result<(), Err
         }
     }
     Ok(())
+}
+
+async fn delete_one<K>(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    params: &DeleteParams,
+) -> Result<(), kube::Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    Api::<K>::namespaced(client.clone(), namespace)
+        .delete(name, params)
+        .await
+        .map(|_| ())
 }
 
 /// Writes the status subresource, never the spec.

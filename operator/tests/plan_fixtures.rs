@@ -16,10 +16,10 @@ use serde::Deserialize;
 use serde_json::Value;
 use slipway_api::InferenceService;
 use slipway_operator::observed::{Observed, ObservedNode};
-use slipway_operator::plan::{Child, ChildKind, Plan};
+use slipway_operator::plan::{Child, Plan};
 use slipway_operator::{labels, plan};
 
-use common::{check_engine_contract, merge, sample_json};
+use common::{check_engine_contract, check_router_contract, merge, sample_json};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -63,9 +63,12 @@ struct Expect {
     /// Checks on applied pods, by name: each value is a JSON subset of the pod.
     #[serde(default)]
     pods: BTreeMap<String, Value>,
-    /// Checks on applied Services/PDBs, by "Kind/name": JSON subsets.
+    /// Checks on applied objects of any kind, by "Kind/name": JSON subsets.
     #[serde(default)]
     objects: BTreeMap<String, Value>,
+    /// Objects that must not be applied, as "Kind/name".
+    #[serde(default)]
+    not_applied: Vec<String>,
     /// Env of an applied pod's engine container, by pod name: name → value.
     #[serde(default)]
     env: BTreeMap<String, BTreeMap<String, String>>,
@@ -219,14 +222,7 @@ fn check(fixture: &Fixture, isvc: &InferenceService, plan: &Plan) -> Result<(), 
     let deletes: Vec<String> = plan
         .delete
         .iter()
-        .map(|d| {
-            let kind = match d.kind {
-                ChildKind::Pod => "Pod",
-                ChildKind::Service => "Service",
-                ChildKind::PodDisruptionBudget => "PodDisruptionBudget",
-            };
-            format!("{kind}/{}", d.name)
-        })
+        .map(|d| format!("{}/{}", d.kind.as_str(), d.name))
         .collect();
     if let Some(want) = &expect.deletes {
         let mut want = want.clone();
@@ -339,22 +335,39 @@ fn check(fixture: &Fixture, isvc: &InferenceService, plan: &Plan) -> Result<(), 
             fail(format!("pod {name} args {args:?} lack {want:?}"));
         }
     }
+    let applied: BTreeMap<String, &Child> = plan
+        .apply
+        .iter()
+        .map(|c| {
+            let reference = c.reference();
+            (format!("{}/{}", reference.kind.as_str(), reference.name), c)
+        })
+        .collect();
+    for key in &expect.not_applied {
+        if applied.contains_key(key) {
+            fail(format!("{key} applied, expected not"));
+        }
+    }
+    // Whatever the case checks, the router runs arguments its own parser accepts.
+    for child in applied.values() {
+        if let Child::Deployment(deployment) = child
+            && let Err(e) = check_router_contract(deployment, isvc)
+        {
+            fail(e);
+        }
+    }
     for (key, want) in &expect.objects {
-        let found = plan.apply.iter().find_map(|c| {
-            let (kind, value) = match c {
-                Child::Service(s) => ("Service", serde_json::to_value(s)),
-                Child::PodDisruptionBudget(p) => ("PodDisruptionBudget", serde_json::to_value(p)),
-                Child::Pod(p) => ("Pod", serde_json::to_value(p)),
-            };
-            let value = value.ok()?;
-            (format!(
-                "{kind}/{}",
-                value["metadata"]["name"].as_str().unwrap_or_default()
-            ) == *key)
-                .then_some(value)
-        });
+        let found = applied.get(key).and_then(|c| child_json(c));
         match found {
-            None => fail(format!("{key} not applied")),
+            None => {
+                // Name the ones of that kind that were, for a fixture being written.
+                let kind = key.split('/').next().unwrap_or_default();
+                let same_kind: Vec<&String> = applied
+                    .keys()
+                    .filter(|k| k.split('/').next() == Some(kind))
+                    .collect();
+                fail(format!("{key} not applied (applied: {same_kind:?})"));
+            }
             Some(got) => {
                 if let Err(e) = subset(want, &got, key) {
                     fail(e);
@@ -374,6 +387,21 @@ fn check(fixture: &Fixture, isvc: &InferenceService, plan: &Plan) -> Result<(), 
     } else {
         Err(errors.join("\n  "))
     }
+}
+
+/// An applied child as the API server would receive it.
+fn child_json(child: &Child) -> Option<Value> {
+    match child {
+        Child::Pod(o) => serde_json::to_value(o),
+        Child::Service(o) => serde_json::to_value(o),
+        Child::PodDisruptionBudget(o) => serde_json::to_value(o),
+        Child::Deployment(o) => serde_json::to_value(o),
+        Child::ServiceAccount(o) => serde_json::to_value(o),
+        Child::Role(o) => serde_json::to_value(o),
+        Child::RoleBinding(o) => serde_json::to_value(o),
+        Child::HttpRoute(o) => serde_json::to_value(o),
+    }
+    .ok()
 }
 
 #[test]

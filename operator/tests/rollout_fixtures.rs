@@ -526,7 +526,13 @@ fn apply(sim: &mut Sim, plan: &Plan) {
             ChildKind::Service => {
                 sim.observed_extra.release_services.remove(&child.name);
             }
-            ChildKind::PodDisruptionBudget => {}
+            // The router's objects and the PDBs change nothing the rollout reads.
+            ChildKind::PodDisruptionBudget
+            | ChildKind::Deployment
+            | ChildKind::ServiceAccount
+            | ChildKind::Role
+            | ChildKind::RoleBinding
+            | ChildKind::HttpRoute => {}
         }
     }
     for child in &plan.apply {
@@ -563,7 +569,12 @@ fn apply(sim: &mut Sim, plan: &Plan) {
                     }
                 }
             }
-            Child::PodDisruptionBudget(_) => {}
+            Child::PodDisruptionBudget(_)
+            | Child::Deployment(_)
+            | Child::ServiceAccount(_)
+            | Child::Role(_)
+            | Child::RoleBinding(_)
+            | Child::HttpRoute(_) => {}
         }
     }
 }

@@ -131,3 +131,78 @@ pub fn check_engine_contract(
         Err(errors.join("\n"))
     }
 }
+
+/// What crosses into the router from its rendered Deployment, checked from the
+/// router's side: one container, the image's entrypoint, arguments the router's own
+/// parser accepts in canonical form, naming this InferenceService; its namespace comes
+/// from `POD_NAMESPACE` (the downward API), never from a flag.
+///
+/// # Errors
+/// Every violation, one per line.
+pub fn check_router_contract(
+    deployment: &k8s_openapi::api::apps::v1::Deployment,
+    isvc: &slipway_api::InferenceService,
+) -> Result<(), String> {
+    use clap::{Args as _, FromArgMatches as _};
+    use slipway_contract::RouterArgs;
+    let name = deployment.metadata.name.clone().unwrap_or_default();
+    let containers = deployment
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .map(|s| s.containers.clone())
+        .unwrap_or_default();
+    let [container] = containers.as_slice() else {
+        return Err(format!(
+            "{name}: expected one container, got {}",
+            containers.len()
+        ));
+    };
+    let mut errors = Vec::new();
+    if container.command.is_some() {
+        errors.push(format!("{name}: overrides the image's entrypoint"));
+    }
+    let args = container.args.clone().unwrap_or_default();
+    if args.iter().any(|a| a.starts_with("--namespace")) {
+        errors.push(format!(
+            "{name}: renders --namespace; POD_NAMESPACE says it"
+        ));
+    }
+    let namespace_from_pod = container.env.iter().flatten().any(|v| {
+        v.name == "POD_NAMESPACE"
+            && v.value_from
+                .as_ref()
+                .and_then(|f| f.field_ref.as_ref())
+                .is_some_and(|f| f.field_path == "metadata.namespace")
+    });
+    if !namespace_from_pod {
+        errors.push(format!("{name}: POD_NAMESPACE is not the pod's namespace"));
+    }
+    let mut command = RouterArgs::augment_args(clap::Command::new("slipway-router"));
+    match command
+        .try_get_matches_from_mut(std::iter::once("slipway-router".to_owned()).chain(args.clone()))
+        .and_then(|m| RouterArgs::from_arg_matches(&m))
+    {
+        Ok(parsed) => {
+            if parsed.to_args() != args {
+                errors.push(format!(
+                    "{name}: args {args:?} are not canonical; the router reads them as {:?}",
+                    parsed.to_args()
+                ));
+            }
+            if parsed.inference_service.as_deref() != isvc.metadata.name.as_deref() {
+                errors.push(format!(
+                    "{name}: routes for {:?}, not {:?}",
+                    parsed.inference_service, isvc.metadata.name
+                ));
+            }
+        }
+        Err(error) => errors.push(format!("{name}: the router rejects {args:?}: {error}")),
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("\n"))
+    }
+}
