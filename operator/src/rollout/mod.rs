@@ -11,7 +11,13 @@
 //! - otherwise a rollout: `canaryRelease {hash, step, weight, stepStartedAt}`. A new
 //!   hash (also mid-canary) starts at step 0 and abandons the previous canary.
 //!
-//! One step at weight w of N groups: `c = ceil(N·w/100)` canary groups (at least 1).
+//! One step at weight w of N groups: `c = ceil(N·w/100)` canary groups (at least 1),
+//! enough to carry w % of the demand. The router splits requests by
+//! `status.canaryRelease.weight` ([`request_weight`]), not by group count: it is w
+//! once the c groups are ready, so a 10 % step of 3 groups sends 10 % of requests to
+//! its one canary group, not a third. While fewer are ready it is what the ready ones
+//! carry (`ready / N`, never above w), and 0 until one is ready: the canary never gets
+//! more requests than its ready groups are sized for, and none before it serves.
 //! **Surge first, then drain**: canary groups are added while the groups alive stay
 //! within `N + maxSurge`; a stable group is removed only once a canary group is ready
 //! to take its place (stable ≥ N − ready canary), and never while ready groups would
@@ -127,6 +133,16 @@ fn steps(spec: &RolloutSpec) -> Vec<(u32, Option<Duration>)> {
 /// Canary groups for a weight: `ceil(N·w/100)`, within 1..=N.
 pub fn canary_groups_for(desired: u32, weight: u32) -> u32 {
     (desired * weight).div_ceil(100).clamp(1, desired.max(1))
+}
+
+/// The request weight the router gives the canary at a step of `weight` percent with
+/// `ready` of its groups ready among `desired`: the step's weight once the groups sized
+/// for it are ready, else what the ready ones can carry (`ready / desired` of the
+/// demand, rounded down), 0 with none ready. `canary_groups_for` rounds up, so the
+/// groups of a step always carry at least its weight.
+pub fn request_weight(weight: u32, desired: u32, ready: u32) -> u32 {
+    let carried = (ready.min(desired) * 100).checked_div(desired).unwrap_or(0);
+    weight.min(carried)
 }
 
 /// Whole seconds from `then` to `now` (0 if `then` is later).
@@ -441,10 +457,7 @@ pub fn decide(input: &Input<'_>) -> Decision {
             }
         }
     }
-    let current_weight = (canary.ready.min(n) * 100)
-        .checked_div(n)
-        .and_then(|w| i32::try_from(w).ok())
-        .unwrap_or(0);
+    let current_weight = i32::try_from(request_weight(weight, n, canary.ready)).unwrap_or(0);
     decision.state.stable_release = Some(input.stable.to_owned());
     decision.state.canary_release = Some(CanaryStatus {
         hash: input.target.to_owned(),
@@ -598,4 +611,31 @@ pub fn assign(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_weight_is_the_steps_once_its_groups_are_ready() {
+        // (step weight, groups, ready canary groups) → request weight
+        for (weight, desired, ready, expected) in [
+            (10, 3, 0, 0),   // nothing serves yet
+            (10, 3, 1, 10),  // one group carries 10 %, not the 33 % its count would say
+            (50, 3, 1, 33),  // the 50 % step sized 2 groups; one ready carries a third
+            (50, 3, 2, 50),  // both ready: the step's weight
+            (1, 10, 1, 1),   // 1 % granularity
+            (100, 4, 3, 75), // the last step while its groups come up
+            (100, 4, 4, 100),
+            (25, 0, 0, 0), // no groups at all
+        ] {
+            assert_eq!(
+                request_weight(weight, desired, ready),
+                expected,
+                "step {weight} %, {ready} of {desired} groups ready"
+            );
+            assert!(ready < canary_groups_for(desired, weight) || expected == weight);
+        }
+    }
 }
