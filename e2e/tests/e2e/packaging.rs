@@ -196,12 +196,15 @@ pub async fn chart_values_reach_the_operator_deployment(
     ensure!(
         operator["args"].as_array().is_some_and(|args| {
             args.iter().any(|arg| arg == "--log-format=json")
+                && args
+                    .iter()
+                    .any(|arg| arg == "--router-image=ghcr.io/slipway-dev/slipway-router:0.1.0")
                 && !args.iter().any(|arg| {
                     arg.as_str()
                         .is_some_and(|arg| arg.starts_with("--otlp-endpoint"))
                 })
         }),
-        "by default the operator logs JSON and gets no --otlp-endpoint: {}",
+        "by default the operator logs JSON, renders the chart's router image and gets no --otlp-endpoint: {}",
         operator["args"]
     );
     ensure!(
@@ -213,6 +216,8 @@ pub async fn chart_values_reach_the_operator_deployment(
         ("image.repository", "registry.example/slipway/operator"),
         ("image.tag", "1.2.3"),
         ("image.pullPolicy", "Always"),
+        ("routerImage.repository", "registry.example/slipway/router"),
+        ("routerImage.tag", "1.2.4"),
         ("replicas", "3"),
         ("resources.requests.cpu", "250m"),
         ("resources.limits.memory", "1Gi"),
@@ -258,6 +263,7 @@ pub async fn chart_values_reach_the_operator_deployment(
     ensure!(
         args.contains(&"--log-format=text")
             && args.contains(&"--otlp-endpoint=http://otel-collector.observability:4318")
+            && args.contains(&"--router-image=registry.example/slipway/router:1.2.4")
             && !args.contains(&"--log-format=json"),
         "args: {args:?}"
     );
