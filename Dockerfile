@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# Images for slipway-operator and slipway-engine:
+# Images for slipway-operator, slipway-router and slipway-engine:
 #   docker build --target operator -t slipway-operator .
+#   docker build --target router   -t slipway-router .
 #   docker build --target engine   -t slipway-engine .
 #
 # The builder is the toolchain rust-toolchain.toml pins (1.95.0), and it builds through
@@ -13,7 +14,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends musl-tools \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-# rust-toolchain.toml selects the same 1.95.0; the musl target is for the static operator.
+# rust-toolchain.toml selects the same 1.95.0; the musl target is for the static operator
+# and router.
 COPY rust-toolchain.toml ./
 RUN rustup target add x86_64-unknown-linux-musl
 COPY . .
@@ -27,6 +29,13 @@ FROM scratch AS operator
 COPY --from=builder /out/slipway-operator /slipway-operator
 USER 65532:65532
 ENTRYPOINT ["/slipway-operator"]
+
+# The router: one static binary, nothing else, like the operator (it reaches the API
+# server with its ServiceAccount's CA file and the engines over plain HTTP).
+FROM scratch AS router
+COPY --from=builder /out/slipway-router /slipway-router
+USER 65532:65532
+ENTRYPOINT ["/slipway-router"]
 
 # The engine (glibc): the same Debian release as the builder, non-root with the id the
 # operator's pods run as (65532). TLS roots for `fetch` are compiled in.

@@ -5,11 +5,11 @@ E2E_CLUSTER := e2e/cluster
 
 .PHONY: e2e e2e-build e2e-images e2e-up e2e-down
 
-e2e-build: ## compile etcd, kube-*, kubectl, kwok, kubelet, containerd, pause from source into $SLIPWAY_CACHE/k8s (once per pin set), then the engine/operator images
+e2e-build: ## compile etcd, kube-*, kubectl, kwok, kubelet, containerd, pause from source into $SLIPWAY_CACHE/k8s (once per pin set), then the engine/operator/router images
 	$(E2E_CLUSTER)/build
 	$(E2E_CLUSTER)/build-images
 
-e2e-images: ## only the engine/operator/pause OCI images the real nodes run (release build as the Dockerfile's)
+e2e-images: ## only the engine/operator/router/pause OCI images the real nodes run (release build as the Dockerfile's)
 	$(E2E_CLUSTER)/build-images
 
 e2e: e2e-build model ## bring the control plane up (building it if needed), run the e2e tests, tear it down
@@ -28,3 +28,23 @@ test: e2e
 e2e-build: e2e-prometheus
 e2e-prometheus:
 	scripts/ensure-debian-packages prometheus=prometheus
+
+# The operator's HTTPRoute (spec.router.httpRoute) is judged by the upstream Gateway API
+# CRD: the standard channel's httproutes CRD from the sigs.k8s.io/gateway-api module,
+# copied into the cache once per version. The operator e2e reads it from
+# SLIPWAY_GATEWAY_API_HTTPROUTE_CRD; without it that test fails, never skips.
+GATEWAY_API_VERSION := v1.6.3
+GATEWAY_API_HTTPROUTE_CRD := $(SLIPWAY_CACHE)/tools/gateway-api-$(GATEWAY_API_VERSION)/gateway.networking.k8s.io_httproutes.yaml
+SLIPWAY_GATEWAY_API_HTTPROUTE_CRD ?= $(GATEWAY_API_HTTPROUTE_CRD)
+export SLIPWAY_GATEWAY_API_HTTPROUTE_CRD
+
+.PHONY: gateway-api-crd
+gateway-api-crd: $(SLIPWAY_GATEWAY_API_HTTPROUTE_CRD) ## the Gateway API HTTPRoute CRD (standard channel) into the cache; prints its path
+	@echo $(SLIPWAY_GATEWAY_API_HTTPROUTE_CRD)
+
+$(GATEWAY_API_HTTPROUTE_CRD):
+	dir=$$(go mod download -json sigs.k8s.io/gateway-api@$(GATEWAY_API_VERSION) \
+	  | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$$/\1/p') && \
+	  install -D -m 0644 "$$dir/config/crd/standard/$(notdir $@)" $@
+
+e2e: $(SLIPWAY_GATEWAY_API_HTTPROUTE_CRD)
