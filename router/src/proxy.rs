@@ -23,7 +23,7 @@ use slipway_contract::metrics::Outcome;
 use slipway_telemetry::{TRACE_TARGET, inject_trace, join_trace};
 use tracing::Instrument as _;
 
-use crate::choose::Params;
+use crate::choose::{Exclusion, Params};
 use crate::endpoints::{InFlight, Live, Slo};
 use crate::metrics::RouterMetrics;
 use crate::prefix;
@@ -240,6 +240,23 @@ async fn route(
     );
     for why in &choice.excluded {
         app.metrics.excluded(&release, why.as_str());
+    }
+    if choice.urls.is_empty()
+        && !choice.excluded.is_empty()
+        && choice
+            .excluded
+            .iter()
+            .all(|&why| why == Exclusion::ModelNotServed)
+    {
+        // The client named a model no endpoint serves: its own mistake, answered as
+        // the engine would (404), not a 503 to retry, and not counted against the SLO.
+        let body = json!({"error": {
+            "message": format!("model `{}` does not exist; see /v1/models", request.model),
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "model_not_found",
+        }});
+        return (StatusCode::NOT_FOUND, axum::Json(body)).into_response();
     }
     if choice.urls.is_empty() {
         let retry_after = retry::retry_after_when_all_busy(&choice.backoffs, Instant::now());
