@@ -810,7 +810,9 @@ pub enum InconclusivePolicy {
 #[x_kube(validation = Rule::new("self.source != 'Prometheus' || has(self.prometheus)").message("metrics.source Prometheus needs metrics.prometheus.url"))]
 pub struct MetricsSource {
     /// `Scrape`: the operator reads `/metrics` of the release's ready pods itself (no
-    /// extra components). `Prometheus`: PromQL over the Prometheus HTTP API.
+    /// extra components). `Prometheus`: PromQL over the Prometheus HTTP API. `Router`:
+    /// the operator reads the router pods' per-release counters (rollout analysis only;
+    /// measured demand then scrapes the engine pods).
     #[serde(default)]
     pub source: MetricsSourceKind,
 
@@ -827,6 +829,10 @@ pub enum MetricsSourceKind {
     Scrape,
     /// Query a Prometheus server.
     Prometheus,
+    /// Scrape the router pods: the release's TTFT, TPOT and outcomes measured at the
+    /// gateway, queueing and network included, for any engine that speaks the OpenAI
+    /// API. Measured demand still reads the engine pods.
+    Router,
 }
 
 /// A Prometheus server's HTTP API.

@@ -326,7 +326,11 @@ impl DemandReader {
                 Some(p) => self.prometheus(&p.url, &releases, &windows, unit).await,
                 None => Err("metrics.source Prometheus without metrics.prometheus.url".to_owned()),
             },
-            MetricsSourceKind::Scrape => self.scrape(key, targets, &releases, &windows, unit).await,
+            // The router's counters are for canary analysis; demand is what the
+            // engines were asked, rejections included, so it reads them.
+            MetricsSourceKind::Scrape | MetricsSourceKind::Router => {
+                self.scrape(key, targets, &releases, &windows, unit).await
+            }
         };
         let reading = match reading {
             Ok(reading) => reading,

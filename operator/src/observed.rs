@@ -38,6 +38,10 @@ pub struct Observed {
     /// Children carrying our labels whose group or rank cannot be read: deleted.
     #[serde(default)]
     pub unparsed_pods: Vec<String>,
+    /// The router's pods (its Deployment owns them; the plan never deletes them): what
+    /// the rollout's `Router` metrics source scrapes.
+    #[serde(default)]
+    pub router_pods: Vec<RouterPod>,
     /// Release bundles by short hash, as their per-release Services keep them: how the
     /// stable release is rendered again after the spec moved on to a canary.
     #[serde(default)]
@@ -91,6 +95,55 @@ pub enum Phase {
     Succeeded,
     Failed,
     Unknown,
+}
+
+/// One router pod.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RouterPod {
+    pub name: String,
+    pub uid: Option<String>,
+    pub ip: Option<String>,
+    pub ready: bool,
+}
+
+/// Sorts the pods listed by the instance selector into engine pods, router pods and
+/// unparsed children (deleted as orphans). The router's pods carry the instance labels
+/// too, but no group: its Deployment owns them, and they are never orphans.
+pub fn sort_pods(pods: &[Pod], observed: &mut Observed) {
+    for pod in pods {
+        if let Some(router) = router_pod_from(pod) {
+            observed.router_pods.push(router);
+        } else if let Some(engine) = pod_from(pod) {
+            observed.pods.push(engine);
+        } else {
+            observed
+                .unparsed_pods
+                .push(pod.metadata.name.clone().unwrap_or_default());
+        }
+    }
+}
+
+/// The router pod `pod` is, if it is one (its `app.kubernetes.io/component`).
+pub fn router_pod_from(pod: &Pod) -> Option<RouterPod> {
+    let meta = &pod.metadata;
+    let is_router = meta
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(labels::COMPONENT))
+        .is_some_and(|c| c == labels::ROUTER_COMPONENT);
+    if !is_router {
+        return None;
+    }
+    let status = pod.status.as_ref();
+    Some(RouterPod {
+        name: meta.name.clone()?,
+        uid: meta.uid.clone(),
+        ip: status.and_then(|s| s.pod_ip.clone()),
+        ready: status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
+    })
 }
 
 /// One engine pod.
@@ -326,6 +379,63 @@ mod tests {
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use k8s_openapi::jiff::Timestamp;
+
+    #[test]
+    fn router_pods_are_neither_engine_pods_nor_orphans() {
+        let pod = |name: &str, labels: &[(&str, &str)]| Pod {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                uid: Some(format!("uid-{name}")),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect(),
+                ),
+                ..ObjectMeta::default()
+            },
+            status: Some(PodStatus {
+                pod_ip: Some("10.0.0.9".to_owned()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".to_owned(),
+                    status: "True".to_owned(),
+                    ..PodCondition::default()
+                }]),
+                ..PodStatus::default()
+            }),
+            ..Pod::default()
+        };
+        let mut observed = Observed::default();
+        sort_pods(
+            &[
+                pod(
+                    "m-router-abc",
+                    &[(labels::COMPONENT, labels::ROUTER_COMPONENT)],
+                ),
+                pod(
+                    "m-g0-r0",
+                    &[
+                        (labels::COMPONENT, labels::ENGINE_COMPONENT),
+                        (labels::GROUP, "0"),
+                        (labels::RANK, "0"),
+                    ],
+                ),
+                pod("m-stray", &[(labels::COMPONENT, labels::ENGINE_COMPONENT)]),
+            ],
+            &mut observed,
+        );
+        assert_eq!(
+            observed.router_pods,
+            vec![RouterPod {
+                name: "m-router-abc".to_owned(),
+                uid: Some("uid-m-router-abc".to_owned()),
+                ip: Some("10.0.0.9".to_owned()),
+                ready: true,
+            }]
+        );
+        assert_eq!(observed.pods.len(), 1);
+        assert_eq!(observed.unparsed_pods, vec!["m-stray".to_owned()]);
+    }
 
     #[test]
     fn a_failed_rank_is_read_with_its_reason() {

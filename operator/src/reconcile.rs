@@ -30,6 +30,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use slipway_api::InferenceService;
+use slipway_api::spec::MetricsSourceKind;
 use tracing::{info, warn};
 
 use crate::demand::DemandReader;
@@ -275,7 +276,10 @@ async fn read_rollout_metrics(
     if canary == stable || status.failed_releases.iter().any(|f| f == canary) {
         return None;
     }
-    let targets = leader_targets(observed, |release| release == canary || release == stable);
+    let targets = match isvc.spec.rollout.analysis.metrics.source {
+        MetricsSourceKind::Router => router_targets(observed),
+        _ => leader_targets(observed, |release| release == canary || release == stable),
+    };
     let reading = ctx
         .rollout_metrics
         .read(
@@ -290,6 +294,24 @@ async fn read_rollout_metrics(
         warn!(%name, %namespace, %error, "rollout metrics unreadable; analysis is inconclusive");
     }
     Some(reading)
+}
+
+/// The ready router pods, as scrape targets of the `Router` metrics source: each
+/// counts every release it routes to.
+fn router_targets(observed: &Observed) -> Vec<rollout::source::Target> {
+    observed
+        .router_pods
+        .iter()
+        .filter(|p| p.ready)
+        .filter_map(|p| {
+            Some(rollout::source::Target {
+                pod: p.name.clone(),
+                uid: p.uid.clone()?,
+                ip: p.ip.clone()?,
+                release: String::new(),
+            })
+        })
+        .collect()
 }
 
 /// The ready leader pods whose release `includes` accepts, as scrape targets: a group
@@ -402,12 +424,7 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
         })?;
 
     let mut observed = Observed::default();
-    for pod in &pods.items {
-        match observed::pod_from(pod) {
-            Some(pod) => observed.pods.push(pod),
-            None => observed.unparsed_pods.push(pod.name_any()),
-        }
-    }
+    observed::sort_pods(&pods.items, &mut observed);
     for service in &services.items {
         let service_labels = service.labels();
         if let Some(record) = observed::group_from(service) {

@@ -639,6 +639,9 @@ impl Reader {
             MetricsSourceKind::Scrape => {
                 Ok(self.scrape(key, canary, stable, windows, targets).await)
             }
+            MetricsSourceKind::Router => Ok(self
+                .scrape_routers(key, canary, stable, windows, targets)
+                .await),
         };
         let reading = reading.unwrap_or_else(|error| MetricsReading {
             canary_release: canary.to_owned(),
@@ -689,6 +692,58 @@ impl Reader {
             stable: Some(per_release[1]),
             error: None,
         })
+    }
+
+    /// The `Router` source: `routers` are the router pods; each keeps one series per
+    /// release it routes to.
+    async fn scrape_routers(
+        &self,
+        key: &str,
+        canary: &str,
+        stable: &str,
+        (short, long): (Duration, Duration),
+        routers: &[Target],
+    ) -> MetricsReading {
+        let scraped = self
+            .scraper
+            .scrape_routers(routers, &[canary, stable])
+            .await;
+        let t = self.epoch.elapsed().as_secs_f64();
+        let Ok(mut entries) = self.entries.lock() else {
+            return MetricsReading {
+                canary_release: canary.to_owned(),
+                error: Some("sample store poisoned".to_owned()),
+                ..MetricsReading::default()
+            };
+        };
+        let entry = entries.entry(key.to_owned()).or_insert_with(|| Entry {
+            store: SampleStore::new(t),
+            last: None,
+        });
+        for (series, release, counters) in scraped.counters {
+            entry.store.record(t, &series, &release, counters);
+        }
+        entry.store.prune(t, long.as_secs_f64());
+        let windows = |release: &str| {
+            entry.store.has(release).then(|| ReleaseWindows {
+                short: entry.store.window(release, t, short.as_secs_f64()),
+                long: entry.store.window(release, t, long.as_secs_f64()),
+            })
+        };
+        let error = if routers.is_empty() {
+            Some("no ready router pod to read".to_owned())
+        } else if scraped.failures.is_empty() {
+            None
+        } else {
+            // A router that could not be read holds part of the traffic: not evidence.
+            Some(scraped.failures.join("; "))
+        };
+        MetricsReading {
+            canary_release: canary.to_owned(),
+            canary: windows(canary),
+            stable: windows(stable),
+            error,
+        }
     }
 
     async fn scrape(
