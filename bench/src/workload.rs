@@ -11,6 +11,11 @@
 //! vocabularies of small llama-family models, so `prompt_tokens` is close to what the
 //! server counts (the server's own count is recorded too). Every unshared prompt starts
 //! with a unique request tag so no two requests share a prefix by accident.
+//!
+//! Two ways to share a prefix: `sharedPrefix` (one system prompt, a fraction of the
+//! requests: a hot spot when the fraction is 1) and `systemPrompts` (a multi-tenant
+//! workload: a fixed set of system prompts, one per tenant, and every request one of
+//! them plus a short user turn).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -101,6 +106,18 @@ pub struct SharedPrefix {
     pub tokens: u32,
 }
 
+/// A multi-tenant workload: `count` system prompts (tenant `k` owns prompt `k`), each
+/// of a length drawn once from `tokens`; every request is one of them, drawn uniformly,
+/// followed by its user turn (`promptTokens`, which then counts the user turn only).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SystemPrompts {
+    /// How many distinct system prompts (tenants).
+    pub count: u32,
+    /// Length of each system prompt, tokens (drawn once per prompt, not per request).
+    pub tokens: LengthDist,
+}
+
 /// One tenant of a multi-tenant workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -133,6 +150,8 @@ pub struct WorkloadSpec {
     pub output_tokens: LengthDist,
     /// Optional shared system prompt.
     pub shared_prefix: Option<SharedPrefix>,
+    /// Optional set of per-tenant system prompts (exclusive with `sharedPrefix`).
+    pub system_prompts: Option<SystemPrompts>,
     /// Tenants; empty means a single anonymous tenant.
     pub tenants: Vec<Tenant>,
     /// A per-request deadline in milliseconds after arrival; the client cancels a
@@ -148,6 +167,7 @@ impl Default for WorkloadSpec {
             prompt_tokens: LengthDist::Uniform { min: 64, max: 512 },
             output_tokens: LengthDist::Uniform { min: 32, max: 128 },
             shared_prefix: None,
+            system_prompts: None,
             tenants: Vec::new(),
             deadline_ms: None,
             api: Api::Completions,
@@ -181,6 +201,25 @@ impl WorkloadSpec {
                 "sharedPrefix needs 0 ≤ fraction ≤ 1 and tokens ≥ 1".into(),
             ));
         }
+        if let Some(p) = self.system_prompts {
+            p.tokens.validate("systemPrompts.tokens")?;
+            if p.count == 0 {
+                return Err(BenchError::InvalidSpec(
+                    "systemPrompts needs count ≥ 1".into(),
+                ));
+            }
+            if self.shared_prefix.is_some() {
+                return Err(BenchError::InvalidSpec(
+                    "sharedPrefix and systemPrompts are exclusive".into(),
+                ));
+            }
+            if !self.tenants.is_empty() {
+                return Err(BenchError::InvalidSpec(
+                    "with systemPrompts the tenants are the prompts' owners; leave tenants empty"
+                        .into(),
+                ));
+            }
+        }
         if self
             .tenants
             .iter()
@@ -208,12 +247,22 @@ impl WorkloadSpec {
                 format!("LogN(median {median}, σ {sigma})∩[{min},{max}]")
             }
         };
-        let mut s = format!(
-            "prompt {} tok, output {} tok, {:?}",
-            d(&self.prompt_tokens),
-            d(&self.output_tokens),
-            self.api
-        );
+        let mut s = match self.system_prompts {
+            Some(p) => format!(
+                "{} system prompts of {} tok + user turn {} tok, output {} tok, {:?}",
+                p.count,
+                d(&p.tokens),
+                d(&self.prompt_tokens),
+                d(&self.output_tokens),
+                self.api
+            ),
+            None => format!(
+                "prompt {} tok, output {} tok, {:?}",
+                d(&self.prompt_tokens),
+                d(&self.output_tokens),
+                self.api
+            ),
+        };
         if let Some(p) = self.shared_prefix {
             s += &format!(
                 ", {:.0}% share a {}-tok prefix",
@@ -288,6 +337,22 @@ pub fn shared_prefix_text(tokens: u32) -> String {
     words(&mut StdRng::seed_from_u64(0x5eed_5a7e), tokens)
 }
 
+/// The system prompts of a `systemPrompts` workload, `(tokens, text)` each: a fixed
+/// function of the spec, independent of the run's seed, so every point of a sweep and
+/// every server or routing policy sees the same tenants. Each prompt is drawn from its
+/// own stream, so no two share a first block by construction of the seed.
+#[must_use]
+pub fn system_prompt_texts(p: &SystemPrompts) -> Vec<(u32, String)> {
+    let mut lengths = StdRng::seed_from_u64(0x7e4a_4e75);
+    (0..p.count)
+        .map(|k| {
+            let tokens = p.tokens.sample(&mut lengths);
+            let mut rng = StdRng::seed_from_u64(0x5eed_5a7e ^ u64::from(k + 1).rotate_left(17));
+            (tokens, words(&mut rng, tokens))
+        })
+        .collect()
+}
+
 /// The prompt seed of one measured point of a run at `rate`: the same for every server
 /// measured at that rate (so they see identical prompts), different between rates (so
 /// no point's prompts are already in a prefix cache from an earlier point).
@@ -316,10 +381,34 @@ pub fn generate(
     let prefix = spec
         .shared_prefix
         .map(|p| (p, shared_prefix_text(p.tokens)));
+    let systems = spec.system_prompts.as_ref().map(system_prompt_texts);
     let mut out = Vec::with_capacity(arrivals.len());
     for (i, &arrival_s) in arrivals.iter().enumerate() {
         let prompt_tokens = spec.prompt_tokens.sample(&mut rng);
         let max_tokens = spec.output_tokens.sample(&mut rng);
+        if let Some(systems) = &systems {
+            // The user turn is `promptTokens` long on top of the tenant's system prompt.
+            let k = rng.random_range(0..systems.len());
+            let (system_tokens, text) = &systems[k];
+            let user_words = prompt_tokens.saturating_sub(TAG_TOKENS);
+            let tag = format!("Request {i}:");
+            let body = words(&mut rng, user_words);
+            out.push(RequestPlan {
+                id: i as u64,
+                arrival_s,
+                system: Some(text.clone()),
+                prompt: if body.is_empty() {
+                    tag
+                } else {
+                    format!("{tag} {body}")
+                },
+                prompt_tokens: system_tokens + TAG_TOKENS + user_words,
+                max_tokens,
+                tenant: Some(format!("tenant-{k}")),
+                deadline_ms: spec.deadline_ms,
+            });
+            continue;
+        }
         let system = match &prefix {
             Some((p, text)) if rng.random_bool(p.fraction) => Some((p.tokens, text.clone())),
             _ => None,
@@ -438,6 +527,73 @@ mod tests {
         assert!((a as i64 - 3000).abs() < 200, "{a}");
         // Unshared prompts never share their first words: each starts with its own tag.
         assert!(reqs[1].prompt.starts_with("Request 1:"));
+    }
+
+    #[test]
+    fn system_prompts_are_fixed_per_tenant_and_every_request_has_one() {
+        let spec = WorkloadSpec {
+            system_prompts: Some(SystemPrompts {
+                count: 8,
+                tokens: LengthDist::Uniform { min: 300, max: 500 },
+            }),
+            prompt_tokens: LengthDist::Uniform { min: 16, max: 48 },
+            ..WorkloadSpec::default()
+        };
+        spec.validate().unwrap();
+        let systems = system_prompt_texts(&spec.system_prompts.unwrap());
+        assert_eq!(systems.len(), 8);
+        for (tokens, text) in &systems {
+            assert!((300..=500).contains(tokens), "{tokens}");
+            assert_eq!(text.split(' ').count() as u32, *tokens);
+        }
+        // Distinct from their first block (16 tokens) on.
+        let starts: std::collections::HashSet<String> = systems
+            .iter()
+            .map(|(_, t)| t.split(' ').take(16).collect::<Vec<_>>().join(" "))
+            .collect();
+        assert_eq!(starts.len(), 8);
+        let arrivals = vec![0.0; 4000];
+        // Independent of the seed: two points of a sweep see the same tenants.
+        let (a, b) = (
+            generate(&spec, &arrivals, 1).unwrap(),
+            generate(&spec, &arrivals, 2).unwrap(),
+        );
+        assert_ne!(a, b);
+        let mut per_tenant = std::collections::HashMap::new();
+        for r in a.iter().chain(&b) {
+            let tenant = r.tenant.as_deref().unwrap();
+            let k: usize = tenant.strip_prefix("tenant-").unwrap().parse().unwrap();
+            let (tokens, text) = &systems[k];
+            assert_eq!(r.system.as_deref(), Some(text.as_str()));
+            let user_words = r.prompt.split(' ').count() as u32 - 2;
+            assert!((12..=44).contains(&user_words), "{user_words}");
+            assert_eq!(r.prompt_tokens, tokens + TAG_TOKENS + user_words);
+            *per_tenant.entry(k).or_insert(0u32) += 1;
+        }
+        // Uniform over 8 tenants: 1000 each of 8000, sd ≈ 30, so ±200 is > 6 sigma.
+        assert_eq!(per_tenant.len(), 8);
+        assert!(
+            per_tenant.values().all(|n| (800..1200).contains(n)),
+            "{per_tenant:?}"
+        );
+        assert!(
+            spec.describe()
+                .starts_with("8 system prompts of U[300,500] tok")
+        );
+    }
+
+    #[test]
+    fn system_prompts_exclude_a_shared_prefix_and_explicit_tenants() {
+        let y = "systemPrompts: {count: 2, tokens: {kind: fixed, value: 10}}\n";
+        assert!(WorkloadSpec::from_yaml(y).is_ok());
+        let both = format!("{y}sharedPrefix: {{fraction: 1, tokens: 5}}\n");
+        assert!(WorkloadSpec::from_yaml(&both).is_err());
+        let tenants = format!("{y}tenants: [{{name: a, weight: 1}}]\n");
+        assert!(WorkloadSpec::from_yaml(&tenants).is_err());
+        assert!(
+            WorkloadSpec::from_yaml("systemPrompts: {count: 0, tokens: {kind: fixed, value: 1}}")
+                .is_err()
+        );
     }
 
     #[test]
