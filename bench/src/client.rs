@@ -232,6 +232,9 @@ impl Client {
                 rec.server_prompt_tokens = Some(p);
                 rec.server_output_tokens = Some(o);
             }
+            if c.cached_tokens.is_some() {
+                rec.server_cached_tokens = c.cached_tokens;
+            }
             finished |= c.done || c.finish_reason.is_some();
             Ok(c.done)
         };

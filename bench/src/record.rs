@@ -73,6 +73,10 @@ pub struct RequestRecord {
     pub server_prompt_tokens: Option<u32>,
     /// Output tokens as counted by the server (`usage`), when reported.
     pub server_output_tokens: Option<u32>,
+    /// Prompt tokens the server took from its prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`), when reported.
+    #[serde(default)]
+    pub server_cached_tokens: Option<u32>,
     /// Short error description for `Error` (and the reason for `Cancelled`).
     pub error: Option<String>,
 }
@@ -96,6 +100,7 @@ impl RequestRecord {
             retry_after: None,
             server_prompt_tokens: None,
             server_output_tokens: None,
+            server_cached_tokens: None,
             error: None,
         }
     }
@@ -171,6 +176,7 @@ mod tests {
             retry_after: None,
             server_prompt_tokens: None,
             server_output_tokens: None,
+            server_cached_tokens: None,
             error: None,
         }
     }

@@ -91,6 +91,16 @@ pub fn summary_table(label: &str, s: &Summary) -> String {
             );
         }
     }
+    if let Some(h) = s.prefix_cache.hit_rate {
+        let _ = writeln!(
+            o,
+            "prefix cache (server usage): {} of {} prompt tokens cached ({:.1}%) over {} requests",
+            s.prefix_cache.cached_tokens,
+            s.prefix_cache.prompt_tokens,
+            h * 100.0,
+            s.prefix_cache.requests
+        );
+    }
     let l = &s.little;
     let _ = writeln!(
         o,

@@ -95,6 +95,8 @@ pub struct Chunk {
     pub text: String,
     /// Usage counts (prompt, completion), when the server sends them.
     pub usage: Option<(u32, u32)>,
+    /// Cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`), when sent.
+    pub cached_tokens: Option<u32>,
     /// `finish_reason`, when set.
     pub finish_reason: Option<String>,
     /// The `[DONE]` sentinel.
@@ -133,6 +135,12 @@ struct Delta {
 struct Usage {
     prompt_tokens: Option<u32>,
     completion_tokens: Option<u32>,
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    cached_tokens: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -167,9 +175,10 @@ pub fn parse_chunk(data: &str) -> Result<Chunk, serde_json::Error> {
             c.finish_reason = ch.finish_reason;
         }
     }
-    c.usage = p
-        .usage
-        .and_then(|u| Some((u.prompt_tokens?, u.completion_tokens?)));
+    if let Some(u) = p.usage {
+        c.cached_tokens = u.prompt_tokens_details.and_then(|d| d.cached_tokens);
+        c.usage = u.prompt_tokens.zip(u.completion_tokens);
+    }
     c.error = p.error.map(|e| match e {
         ErrorBody::Object { message } => message,
         ErrorBody::Text(t) => t,
@@ -232,6 +241,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.usage, Some((7, 3)));
+        assert_eq!(c.cached_tokens, None);
+        let c = parse_chunk(
+            r#"{"choices":[],"usage":{"prompt_tokens":400,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":384}}}"#,
+        )
+        .unwrap();
+        assert_eq!((c.usage, c.cached_tokens), (Some((400, 3)), Some(384)));
         let c = parse_chunk(r#"{"choices":[{"text":"","finish_reason":"length"}]}"#).unwrap();
         assert_eq!(c.finish_reason.as_deref(), Some("length"));
         let c = parse_chunk(r#"{"error":{"message":"boom","code":500}}"#).unwrap();

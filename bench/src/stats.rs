@@ -190,6 +190,21 @@ pub struct Counts {
     pub client_capped: u64,
 }
 
+/// What the server's prefix cache saved, from its `usage` reports: over completed
+/// requests that reported cached tokens (`prompt_tokens_details.cached_tokens`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PrefixCache {
+    /// Completed requests whose usage reported cached tokens.
+    pub requests: u64,
+    /// Their prompt tokens, as the server counted them.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens served from the prefix cache.
+    pub cached_tokens: u64,
+    /// `cached_tokens / prompt_tokens`; `None` when nothing reported.
+    pub hit_rate: Option<f64>,
+}
+
 /// Little's-law check over the client's in-flight set.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -299,6 +314,9 @@ pub struct Summary {
     pub e2e: Latency,
     /// Per prompt-length bucket.
     pub by_prompt_length: Vec<Bucket>,
+    /// The server's prefix-cache hits (absent in summaries written before it existed).
+    #[serde(default)]
+    pub prefix_cache: PrefixCache,
     /// Little's-law check.
     pub little: LittleCheck,
     /// The SLO applied.
@@ -356,12 +374,18 @@ pub fn summarize(
     };
     let mut itl = LatencyAcc::new();
     let mut out_tokens = 0u64;
+    let mut prefix_cache = PrefixCache::default();
     for r in records {
         c.admitted += u64::from(r.admitted());
         match r.outcome {
             Outcome::Completed => {
                 c.completed += 1;
                 out_tokens += u64::from(r.n_out());
+                if let (Some(p), Some(cached)) = (r.server_prompt_tokens, r.server_cached_tokens) {
+                    prefix_cache.requests += 1;
+                    prefix_cache.prompt_tokens += u64::from(p);
+                    prefix_cache.cached_tokens += u64::from(cached);
+                }
             }
             Outcome::Rejected => {
                 c.rejected += 1;
@@ -376,6 +400,8 @@ pub fn summarize(
             itl.add(Some(g));
         }
     }
+    prefix_cache.hit_rate = (prefix_cache.prompt_tokens > 0)
+        .then(|| prefix_cache.cached_tokens as f64 / prefix_cache.prompt_tokens as f64);
     let (ttft, tpot, e2e) = latencies(records.iter());
     let mut by_prompt_length = Vec::new();
     let mut lo = 0;
@@ -452,6 +478,7 @@ pub fn summarize(
         itl: itl.finish(),
         e2e,
         by_prompt_length,
+        prefix_cache,
         little,
         slo,
         slo_pass: slo_failures.is_empty(),

@@ -23,6 +23,7 @@ fn done(id: u64, t: f64, ttft: f64, tpot: f64, n: u32) -> RequestRecord {
         retry_after: None,
         server_prompt_tokens: None,
         server_output_tokens: None,
+        server_cached_tokens: None,
         error: None,
     }
 }
@@ -166,6 +167,40 @@ fn goodput_counts_only_requests_meeting_every_target() {
     assert_eq!(s.slo_met, 2);
     assert!((s.goodput_rps - 1.0).abs() < 1e-12);
     assert_eq!(s.tpot.count, 3);
+}
+
+#[test]
+fn prefix_hit_rate_counts_completed_requests_that_reported_cached_tokens() {
+    let mut a = done(0, 0.0, 0.1, 0.01, 3);
+    (a.server_prompt_tokens, a.server_cached_tokens) = (Some(400), Some(384));
+    let mut b = done(1, 0.0, 0.1, 0.01, 3);
+    (b.server_prompt_tokens, b.server_cached_tokens) = (Some(400), Some(0));
+    // A server that reports no cached count, and a request that did not finish, are
+    // left out rather than counted as misses.
+    let mut c = done(2, 0.0, 0.1, 0.01, 3);
+    c.server_prompt_tokens = Some(400);
+    let mut d = with(done(3, 0.0, 0.1, 0.01, 3), Outcome::TimedOut);
+    (d.server_prompt_tokens, d.server_cached_tokens) = (Some(400), Some(400));
+    let recs = [a, b, c, d];
+    let s = summarize(
+        &recs,
+        &gauge_of(&recs),
+        1.0,
+        None,
+        Slo::default(),
+        DEFAULT_BUCKETS,
+    );
+    assert_eq!(
+        (
+            s.prefix_cache.requests,
+            s.prefix_cache.prompt_tokens,
+            s.prefix_cache.cached_tokens
+        ),
+        (2, 800, 384)
+    );
+    assert!((s.prefix_cache.hit_rate.unwrap() - 0.48).abs() < 1e-12);
+    let none = summarize(&[], &[], 1.0, None, Slo::default(), DEFAULT_BUCKETS);
+    assert_eq!(none.prefix_cache.hit_rate, None);
 }
 
 #[test]
