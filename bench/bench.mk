@@ -10,8 +10,12 @@
 #                       system prompt): slot probe, four sweeps, side-by-side tables, ratios,
 #                       plots under ~/.cache/slipway/bench-results/<time>/ (~20-25 min once
 #                       built, 30 min at most; QUICK=1: a ~4 min smoke run)
+#   bench-router        slipway-router's policies (round-robin, least-in-flight, cost) on two
+#                       engines: workloads P (8 tenants' system prompts), U (no sharing), H
+#                       (one hot prefix), P again with a small KV pool, and the router's added
+#                       TTFT; rewrites router/BENCHMARKS.md (~25 min; QUICK=1: ~4 min smoke)
 #
-# Knobs: see the header of bench/scripts/bench-serving (SLOTS, RATES, DURATION, ...).
+# Knobs: see the headers of bench/scripts/bench-serving and bench/scripts/bench-router.
 
 .PHONY: bench-llama-server bench-e2e bench-serving
 
@@ -27,3 +31,7 @@ bench-serving: ## Slipway vs llama-server: same model, threads, workloads (a, b:
 .PHONY: bench-capacity
 bench-capacity: ## capacity from demand: one 3x ramp trace under static-at-peak, static-at-average and measured demand, with the operator's own decisions; group-seconds, SLO met, plot
 	$(CARGO) run --locked -p slipway-bench -- capacity --out "$(SLIPWAY_CACHE)/bench-results/capacity"
+
+.PHONY: bench-router
+bench-router: ## slipway-router's policies (round-robin, least-in-flight, cost) on 2 engines: workloads P (8 tenants), U (no sharing), H (hot spot), overhead; rewrites router/BENCHMARKS.md (~25 min; QUICK=1 ~4 min)
+	bench/scripts/bench-router

@@ -10,6 +10,7 @@
 //! - [`sse`]: the server-sent-events parser for OpenAI streams.
 //! - [`sweep`]: choosing offered rates and finding the goodput frontier.
 //! - [`report`]: tables and the `capacity.replicaGoodput` note; [`plot`]: SVG/PNG.
+//! - [`routing`]: `make bench-router`'s SLO and report (routing policies compared).
 //! - [`capacity`]: the operator's capacity decisions replayed over a load trace
 //!   (static at peak, static at average, measured demand).
 //! - I/O shells: [`client`] (HTTP/1.1 streaming) and [`runner`] (open/closed loop).
@@ -20,6 +21,7 @@ pub mod client;
 pub mod plot;
 pub mod record;
 pub mod report;
+pub mod routing;
 pub mod runner;
 pub mod sse;
 pub mod stats;

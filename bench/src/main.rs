@@ -50,6 +50,34 @@ enum Cmd {
     /// static-at-average and measured-demand capacity, with the operator's own
     /// decisions; print group-seconds and SLO-met share, write capacity.csv and a plot.
     Capacity(CapacityArgs),
+    /// `make bench-router`: print the SLO derived from a calibration run's summary.json
+    /// (one request at a time on an idle engine) as `TTFT_MS TPOT_MS`, then the reason.
+    RouterSlo(RouterSloArgs),
+    /// `make bench-router`: read a run directory, print the report, write it as Markdown.
+    RouterReport(RouterReportArgs),
+}
+
+#[derive(Args, Debug)]
+struct RouterSloArgs {
+    /// The calibration run's summary.json.
+    summary: PathBuf,
+    /// TTFT target = this × the idle TTFT median of an uncached prompt: a cold prompt
+    /// may wait behind about two others' prefill.
+    #[arg(long, default_value_t = 3.0)]
+    ttft_factor: f64,
+    /// TPOT target = this × the idle TPOT median: room for the prefill steps of other
+    /// requests interleaved with a stream's decode.
+    #[arg(long, default_value_t = 4.0)]
+    tpot_factor: f64,
+}
+
+#[derive(Args, Debug)]
+struct RouterReportArgs {
+    /// The run directory bench/scripts/bench-router wrote.
+    dir: PathBuf,
+    /// Write the report here (Markdown); plots go to `<its directory>/benchmarks/`.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -176,6 +204,10 @@ struct RunArgs {
     /// Closed loop: mean think time between requests of a session, ms.
     #[arg(long, default_value_t = 0.0)]
     think_ms: f64,
+    /// Closed loop: stop after this many requests (or at the end of the window, if
+    /// sooner).
+    #[arg(long, requires = "sessions")]
+    requests: Option<usize>,
     /// Replay a JSONL trace (timestamp/arrivalMs, prompt or promptTokens, outputTokens, tenant).
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -424,8 +456,10 @@ async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
         );
         (out, s)
     } else if let Some(n) = a.sessions {
-        // Enough requests that sessions never run dry within the window.
-        let plans: Vec<RequestPlan> = generate(&spec, &vec![0.0; 100_000], c.seed)?;
+        // Enough requests that sessions never run dry within the window, unless the
+        // run is bounded in requests.
+        let n_plans = a.requests.unwrap_or(100_000);
+        let plans: Vec<RequestPlan> = generate(&spec, &vec![0.0; n_plans], c.seed)?;
         let bar = c.progress(0, "sessions");
         let out = runner::closed_loop(
             &client,
@@ -566,7 +600,53 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Sweep(a) => cmd_sweep(a).await,
         Cmd::Compare(a) => cmd_compare(&a),
         Cmd::Capacity(a) => cmd_capacity(&a),
+        Cmd::RouterSlo(a) => cmd_router_slo(&a),
+        Cmd::RouterReport(a) => cmd_router_report(&a),
     }
+}
+
+fn cmd_router_slo(a: &RouterSloArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.summary)
+        .with_context(|| format!("reading {}", a.summary.display()))?;
+    let calib: Summary =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", a.summary.display()))?;
+    let (slo, why) = slipway_bench::routing::derive_slo(&calib, a.ttft_factor, a.tpot_factor)?;
+    println!("{} {}", slo.ttft_ms, slo.tpot_ms);
+    println!("{why}");
+    Ok(())
+}
+
+fn cmd_router_report(a: &RouterReportArgs) -> anyhow::Result<()> {
+    use slipway_bench::routing;
+    let bench = routing::load(&a.dir)?;
+    let mut plots = Vec::new();
+    if let Some(md) = &a.markdown {
+        let base = md.parent().unwrap_or_else(|| Path::new("."));
+        let dir = base.join("benchmarks");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        for w in &bench.workloads {
+            let sweeps: Vec<&SweepResult> = w.runs.iter().map(|r| &r.sweep).collect();
+            let stem = dir.join(format!("workload-{}", w.key));
+            let files = slipway_bench::plot::plot_sweeps(&sweeps, &stem)?;
+            // The PNG is for a local look; the SVG (text, small) is what the report links.
+            for f in files
+                .iter()
+                .filter(|f| f.extension().is_some_and(|e| e == "png"))
+            {
+                let copy = a.dir.join(f.file_name().unwrap_or_default());
+                std::fs::rename(f, &copy)
+                    .with_context(|| format!("moving {} to {}", f.display(), copy.display()))?;
+            }
+            plots.push((w.key.clone(), format!("benchmarks/workload-{}.svg", w.key)));
+        }
+    }
+    let text = routing::render(&bench, &plots);
+    print!("{text}");
+    if let Some(md) = &a.markdown {
+        std::fs::write(md, &text).with_context(|| format!("writing {}", md.display()))?;
+        eprintln!("wrote {}", md.display());
+    }
+    Ok(())
 }
 
 fn cmd_capacity(a: &CapacityArgs) -> anyhow::Result<()> {
