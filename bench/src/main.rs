@@ -342,10 +342,28 @@ impl Common {
 }
 
 /// Sends `n` unrecorded requests one at a time so the first measured request does not
-/// pay for connection setup or cold caches. Failures here are reported, not fatal: the
-/// measurement itself will count them properly.
+/// pay for connection setup or cold caches. With `systemPrompts`, the first ones are one
+/// per tenant (so at least the tenants' count), so no tenant's prompt is first seen by a
+/// measured request. Failures here are reported, not fatal: the measurement itself
+/// will count them properly.
 async fn warmup(client: &Client, spec: &WorkloadSpec, n: usize, seed: u64) -> anyhow::Result<()> {
-    let plans = generate(spec, &vec![0.0; n], seed ^ 0xa11)?;
+    let plans = match spec.system_prompts {
+        Some(p) if n > 0 => {
+            let tenants = p.count as usize;
+            let mut pool = generate(spec, &vec![0.0; 32 * tenants.max(n)], seed ^ 0xa11)?;
+            let mut first = Vec::new();
+            for k in 0..tenants {
+                let name = format!("tenant-{k}");
+                if let Some(i) = pool.iter().position(|r| r.tenant.as_deref() == Some(&name)) {
+                    first.push(pool.remove(i));
+                }
+            }
+            let rest = n.saturating_sub(first.len());
+            first.extend(pool.into_iter().take(rest));
+            first
+        }
+        _ => generate(spec, &vec![0.0; n], seed ^ 0xa11)?,
+    };
     for p in plans {
         let out = runner::closed_loop(
             client,
