@@ -645,10 +645,19 @@ where
                             out.push_str(&event);
                         }
                     }
+                    // `[DONE]` ends the answer as the client sees it: record it before
+                    // relaying it, so a client that stops reading there and closes the
+                    // connection before the engine's body ends (as most do) is counted
+                    // as served, not as cancelled when the relay is dropped.
+                    if st.measure.saw_done {
+                        st.measure.end(false);
+                    }
                     if !out.is_empty() {
                         return Some((Ok(Bytes::from(out)), st));
                     }
                 }
+                // After `[DONE]` the client has the whole answer: nothing to add.
+                Some(Err(_)) if st.measure.saw_done => return None,
                 Some(Err(e)) => {
                     st.finished = true;
                     let _enter = st.span.enter();
