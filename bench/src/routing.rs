@@ -199,6 +199,9 @@ pub struct Meta {
     pub slo: String,
     /// Load average and concurrent compiles seen during the run.
     pub noise: Vec<String>,
+    /// Said at the top when set: why these numbers are not a measurement (a busy
+    /// machine).
+    pub warning: String,
     /// Anything else the reader should know.
     pub notes: Vec<String>,
 }
@@ -633,6 +636,9 @@ pub fn render(b: &RouterBench, plots: &[(String, String)]) -> String {
             ""
         }
     );
+    if !m.warning.is_empty() {
+        let _ = writeln!(o, "**{}**\n", m.warning);
+    }
     let _ = writeln!(o, "## How to read it\n");
     let _ = writeln!(
         o,
@@ -850,6 +856,7 @@ slipway_router_cached_tokens_total{release=\"stable\"} 12000\n";
         let b = RouterBench {
             meta: Meta {
                 machine: "2 cores".into(),
+                warning: "busy".into(),
                 ..Meta::default()
             },
             calibration: Some(calib(400.0, 30.0)),
@@ -905,6 +912,7 @@ slipway_router_cached_tokens_total{release=\"stable\"} 12000\n";
         assert!(md.contains("| 30 / 12 |"), "{md}");
         assert!(md.contains("at equal load 0.2 req/s"), "{md}");
         assert!(md.contains("Machine: 2 cores"), "{md}");
+        assert!(md.contains("**busy**"), "{md}");
     }
 
     #[test]
