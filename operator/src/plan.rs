@@ -3,7 +3,9 @@
 //!
 //! Decisions: how many groups ([`crate::scaling`]: static or measured demand, then the
 //! capacity math from `slipway-api`), the shape of each group ([`crate::groups`]), the
-//! pods, Services and PodDisruptionBudget that should exist, which children to delete
+//! pods, Services and PodDisruptionBudget that should exist, the router in front of
+//! them ([`crate::router`]: the client Service selects its pods, each release's Service
+//! its leaders), which children to delete
 //! (scale-in takes groups from the most crowded fault domain, [`rollout::assign`];
 //! outdated or broken groups are recreated whole), the status with its conditions, and
 //! the events a person would want to see.
@@ -23,6 +25,9 @@
 //! When every group is ready and nothing else is in motion but one domain holds so
 //! many groups that losing it is not survivable, one group is drained and recreated so
 //! the scheduler's spread puts it in an emptier domain ([`crate::placement`]).
+//!
+//! Children of the kinds in [`crate::observed::LabelledKind`] that carry the instance
+//! labels but are not in this plan are deleted (orphans by label).
 //!
 //! Invariants: `plan` never writes the spec; it applies pods only for ranks that do
 //! not exist (pod specs are immutable; changes go through recreation); an unchanged
