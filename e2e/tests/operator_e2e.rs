@@ -19,9 +19,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Event, Node, Pod, Service};
+use k8s_openapi::api::core::v1::{Event, Node, Pod, Service, ServiceAccount};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, WatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, ResourceExt};
@@ -64,6 +67,8 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         a_killed_operator_converges_without_duplicates,
         deleting_the_service_collects_every_child,
         losing_a_zone_is_reported_and_recovered,
+        the_router_fronts_the_engines_under_a_read_only_role,
+        an_httproute_to_the_router_is_accepted_by_the_gateway_api_crd,
     ]
 }
 
@@ -282,7 +287,8 @@ impl Setup {
         .await?)
     }
 
-    /// Waits until exactly `names` pods exist (none terminating) and all are Ready.
+    /// Waits until exactly `names` engine pods exist (none terminating) and all are
+    /// Ready. The router pods (a Deployment's) are not counted.
     async fn wait_pods(&self, names: &BTreeSet<String>) -> anyhow::Result<Vec<Pod>> {
         let pods = self.pods();
         let want = names.clone();
@@ -296,7 +302,7 @@ impl Setup {
                 let want = want.clone();
                 let seen = Arc::clone(&seen);
                 async move {
-                    let list = pods.list(&ListParams::default()).await?;
+                    let list = pods.list(&ListParams::default().labels(ENGINES)).await?;
                     let have: BTreeSet<String> = list.items.iter().map(|p| p.name_any()).collect();
                     let ready = list
                         .items
@@ -368,6 +374,8 @@ async fn node_labels(admin: &Client) -> anyhow::Result<BTreeMap<String, BTreeMap
 }
 
 const ZONE: &str = "topology.kubernetes.io/zone";
+/// The engine pods (the router pods carry the same instance label).
+const ENGINES: &str = "app.kubernetes.io/component=engine";
 const RACK: &str = "slipway.dev/nvlink-domain";
 
 // -------------------------------------------------------------------------------------
@@ -540,7 +548,10 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
             let old_uids = old_uids.clone();
             async move {
                 let list = pods_api
-                    .list(&ListParams::default().labels("app.kubernetes.io/instance=big"))
+                    .list(
+                        &ListParams::default()
+                            .labels(&format!("app.kubernetes.io/instance=big,{ENGINES}")),
+                    )
                     .await?;
                 let fresh = list.items.len() == 2
                     && list.items.iter().all(|p| {
@@ -589,7 +600,49 @@ async fn child_versions(setup: &Setup, instance: &str) -> anyhow::Result<BTreeMa
             pdb.resource_version().unwrap_or_default(),
         );
     }
+    let ns = setup.ns();
+    let admin = &setup.admin;
+    for (kind, list) in [
+        (
+            "Deployment",
+            versions_of(Api::<Deployment>::namespaced(admin.clone(), ns), &selector).await?,
+        ),
+        (
+            "ServiceAccount",
+            versions_of(
+                Api::<ServiceAccount>::namespaced(admin.clone(), ns),
+                &selector,
+            )
+            .await?,
+        ),
+        (
+            "Role",
+            versions_of(Api::<Role>::namespaced(admin.clone(), ns), &selector).await?,
+        ),
+        (
+            "RoleBinding",
+            versions_of(Api::<RoleBinding>::namespaced(admin.clone(), ns), &selector).await?,
+        ),
+    ] {
+        for (name, version) in list {
+            versions.insert(format!("{kind}/{name}"), version);
+        }
+    }
     Ok(versions)
+}
+
+/// Names and resourceVersions of what `api` lists with `selector`.
+async fn versions_of<K>(api: Api<K>, selector: &ListParams) -> anyhow::Result<Vec<(String, String)>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api
+        .list_metadata(selector)
+        .await?
+        .items
+        .into_iter()
+        .map(|o| (o.name_any(), o.resource_version().unwrap_or_default()))
+        .collect())
 }
 
 async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::Result<()> {
@@ -615,6 +668,8 @@ async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::
         },
     )
     .await?;
+    // The router's Deployment settles too (its status moves as its pods come up).
+    wait_router(&setup, "smollm2").await?;
     let before = child_versions(&setup, "smollm2").await?;
     let isvc_version = isvc.resource_version();
 
@@ -1175,4 +1230,331 @@ async fn losing_a_zone_is_reported_and_recovered(env: Arc<Env>) -> anyhow::Resul
     // Once when the groups first became ready, once now.
     wait_events(&setup, "DomainLossSurvivable", 2).await?;
     setup.ensure_no_forbidden()
+}
+
+// -------------------------------------------------------------------------------------
+// The router (issue 22)
+
+/// Waits until `instance`'s router Deployment has its 2 pods updated and available,
+/// and returns it.
+async fn wait_router(setup: &Setup, instance: &str) -> anyhow::Result<Deployment> {
+    let name = format!("{instance}-router");
+    Ok(wait::for_object(
+        &Api::<Deployment>::namespaced(setup.admin.clone(), setup.ns()),
+        &name,
+        &format!("{name} with 2 available pods"),
+        CONVERGE,
+        |d: Option<&Deployment>| {
+            d.and_then(|d| d.status.as_ref()).is_some_and(|s| {
+                s.available_replicas == Some(2)
+                    && s.updated_replicas == Some(2)
+                    && s.replicas == Some(2)
+            })
+        },
+    )
+    .await?)
+}
+
+/// The pod names of the ready endpoints of Service `service`.
+async fn ready_endpoint_pods(
+    setup: &Setup,
+    service: &str,
+) -> Result<BTreeSet<String>, kube::Error> {
+    Ok(
+        Api::<EndpointSlice>::namespaced(setup.admin.clone(), setup.ns())
+            .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={service}")))
+            .await?
+            .items
+            .into_iter()
+            .flat_map(|slice| slice.endpoints.into_iter().flatten())
+            .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+            .filter_map(|e| e.target_ref?.name)
+            .collect(),
+    )
+}
+
+/// The operator creates the router's Deployment, ServiceAccount, Role, RoleBinding and
+/// PDB under its own identity: no 403, so the ClusterRole needs neither `escalate` nor
+/// `bind` to grant the router its reads. The router pods are spread over zones; the
+/// client Service's endpoints are the router pods and only they, the release Service's
+/// the engine leaders; the Role reads, in this namespace, only this InferenceService
+/// and EndpointSlices.
+async fn the_router_fronts_the_engines_under_a_read_only_role(env: Arc<Env>) -> anyhow::Result<()> {
+    let setup = setup(&env).await?;
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    setup.apply(&cpu_sample(setup.ns())?).await?;
+    let isvc = setup.wait_ready("smollm2", 5).await?;
+    let engines = setup.wait_pods(&pod_names("smollm2", 5, 1)).await?;
+    let deployment = wait_router(&setup, "smollm2").await?;
+    let template = deployment
+        .spec
+        .template
+        .spec
+        .context("the router Deployment has a pod template")?;
+    ensure!(
+        template.service_account_name.as_deref() == Some("smollm2-router"),
+        "router pods run as {:?}",
+        template.service_account_name
+    );
+
+    // Router pods: two, in two zones, Ready (KWOK's), and all the client Service has.
+    let routers = setup
+        .pods()
+        .list(
+            &ListParams::default()
+                .labels("app.kubernetes.io/instance=smollm2,app.kubernetes.io/component=router"),
+        )
+        .await?
+        .items;
+    let nodes = node_labels(&setup.admin).await?;
+    let zones: BTreeSet<String> = routers
+        .iter()
+        .filter_map(|p| {
+            nodes
+                .get(p.spec.as_ref()?.node_name.as_ref()?)?
+                .get(ZONE)
+                .cloned()
+        })
+        .collect();
+    ensure!(
+        routers.len() == 2 && zones.len() == 2,
+        "router pods {:?} in zones {zones:?}",
+        routers
+            .iter()
+            .map(ResourceExt::name_any)
+            .collect::<Vec<_>>()
+    );
+    let router_names: BTreeSet<String> = routers.iter().map(ResourceExt::name_any).collect();
+    let admin = setup.admin.clone();
+    let ns = setup.ns().to_owned();
+    let want = router_names.clone();
+    let setup_ref = &setup;
+    wait::poll(
+        "the client Service's ready endpoints are the router pods",
+        CONVERGE,
+        move || {
+            let want = want.clone();
+            async move {
+                Ok((ready_endpoint_pods(setup_ref, "smollm2").await? == want).then_some(()))
+            }
+        },
+        || "other endpoints".to_owned(),
+    )
+    .await?;
+    let stable = isvc.data["status"]["stableRelease"]
+        .as_str()
+        .context("status.stableRelease")?
+        .to_owned();
+    let leaders: BTreeSet<String> = engines.iter().map(ResourceExt::name_any).collect();
+    let release_service = format!("smollm2-{stable}");
+    let want = leaders.clone();
+    wait::poll(
+        "the release Service's ready endpoints are the engine leaders",
+        CONVERGE,
+        move || {
+            let want = want.clone();
+            let release_service = release_service.clone();
+            async move {
+                Ok((ready_endpoint_pods(setup_ref, &release_service).await? == want).then_some(()))
+            }
+        },
+        || "other endpoints".to_owned(),
+    )
+    .await?;
+
+    // The Role: reads only, of this InferenceService by name and of EndpointSlices.
+    let role = Api::<Role>::namespaced(admin.clone(), &ns)
+        .get("smollm2-router")
+        .await?;
+    let rules = role.rules.unwrap_or_default();
+    ensure!(rules.len() == 2, "rules: {rules:?}");
+    for rule in &rules {
+        ensure!(
+            rule.verbs
+                .iter()
+                .all(|v| ["get", "list", "watch"].contains(&v.as_str())),
+            "the router's Role writes: {rule:?}"
+        );
+    }
+    ensure!(
+        rules.iter().any(
+            |r| r.resources.as_deref() == Some(&["inferenceservices".to_owned()][..])
+                && r.resource_names.as_deref() == Some(&["smollm2".to_owned()][..])
+        ),
+        "the Role does not name this InferenceService alone: {rules:?}"
+    );
+    let binding = Api::<RoleBinding>::namespaced(admin.clone(), &ns)
+        .get("smollm2-router")
+        .await?;
+    ensure!(
+        binding.role_ref.kind == "Role"
+            && binding
+                .subjects
+                .unwrap_or_default()
+                .iter()
+                .all(|s| s.kind == "ServiceAccount"
+                    && s.name == "smollm2-router"
+                    && s.namespace.as_deref() == Some(ns.as_str())),
+        "the RoleBinding binds something else"
+    );
+    let pdb = Api::<PodDisruptionBudget>::namespaced(admin, &ns)
+        .get("smollm2-router")
+        .await?;
+    ensure!(
+        pdb.spec.and_then(|s| s.min_available)
+            == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1)),
+        "the router PDB keeps not one pod"
+    );
+    setup.ensure_no_forbidden()
+}
+
+const HTTP_ROUTE_CRD: &str = "httproutes.gateway.networking.k8s.io";
+
+/// The upstream Gateway API CRD (`sigs.k8s.io/gateway-api`'s standard channel, from
+/// `make e2e`) judges the operator's HTTPRoute. Without the CRD the rest of the
+/// InferenceService reconciles and `HTTPRouteReady=False` (GatewayAPIMissing) with a
+/// Warning event says why; once it is installed, the operator's server-side apply of
+/// the route is accepted (its parentRefs pass the CRD's own CEL rules), it points at
+/// the router Service on port 80 and the condition turns True. The CRD is removed
+/// first, so a reused cluster starts from the same state.
+async fn an_httproute_to_the_router_is_accepted_by_the_gateway_api_crd(
+    env: Arc<Env>,
+) -> anyhow::Result<()> {
+    let crd = std::env::var("SLIPWAY_GATEWAY_API_HTTPROUTE_CRD").context(
+        "SLIPWAY_GATEWAY_API_HTTPROUTE_CRD is not set; run the e2e tests through `make e2e`, \
+         which takes it from the sigs.k8s.io/gateway-api module (make gateway-api-crd)",
+    )?;
+    ensure!(
+        std::path::Path::new(&crd).is_file(),
+        "SLIPWAY_GATEWAY_API_HTTPROUTE_CRD={crd} is not a file"
+    );
+    let setup = setup(&env).await?;
+    let kubectl_timeout = Duration::from_secs(120);
+    env.cluster.kubectl(
+        &[
+            "delete",
+            "crd",
+            HTTP_ROUTE_CRD,
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=90s",
+        ],
+        kubectl_timeout,
+    )?;
+    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    let mut sample = cpu_sample(setup.ns())?;
+    // One Gateway through two listeners, one in another namespace: the CRD's CEL rules
+    // on parentRefs are exercised, not just its types.
+    sample["spec"]["router"] = json!({"httpRoute": {"parentRefs": [
+        {"name": "public", "sectionName": "http"},
+        {"name": "public", "sectionName": "https"},
+        {"name": "internal", "namespace": "gateways"},
+    ]}});
+    setup.apply(&sample).await?;
+    setup.wait_ready("smollm2", 5).await?;
+    wait_router(&setup, "smollm2").await?;
+    wait_route_condition(&setup, "False", "GatewayAPIMissing").await?;
+    wait_events(&setup, "GatewayAPIMissing", 1).await?;
+
+    env.cluster.kubectl(
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager",
+            slipway_e2e::rbac::FIELD_MANAGER,
+            "-f",
+            &crd,
+        ],
+        kubectl_timeout,
+    )?;
+    env.cluster.kubectl(
+        &[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            &format!("crd/{HTTP_ROUTE_CRD}"),
+        ],
+        kubectl_timeout,
+    )?;
+    // The operator watches no HTTPRoutes (a cluster without the CRD would fail the
+    // watch): a change to the InferenceService makes it look again, as a resync would.
+    setup
+        .isvcs()
+        .patch(
+            "smollm2",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"e2e.slipway.dev/nudge": "crd-installed"}}}),
+            ),
+        )
+        .await?;
+    wait_route_condition(&setup, "True", "Applied").await?;
+
+    let routes = Api::<DynamicObject>::namespaced_with(
+        setup.admin.clone(),
+        setup.ns(),
+        &ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", "HTTPRoute"),
+            "httproutes",
+        ),
+    );
+    let route = routes.get("smollm2").await?;
+    let spec = &route.data["spec"];
+    ensure!(
+        spec["parentRefs"].as_array().map(Vec::len) == Some(3)
+            && spec["rules"][0]["backendRefs"][0]["name"] == "smollm2"
+            && spec["rules"][0]["backendRefs"][0]["port"] == 80,
+        "the HTTPRoute is not the router's: {spec:#}"
+    );
+    ensure!(
+        route
+            .metadata
+            .owner_references
+            .unwrap_or_default()
+            .iter()
+            .any(|o| o.kind == "InferenceService" && o.name == "smollm2"),
+        "the HTTPRoute is not owned by the InferenceService"
+    );
+
+    // Asked no more, the route is deleted by label.
+    sample["spec"]["router"] = json!({});
+    setup.apply(&sample).await?;
+    wait_route_condition(&setup, "False", "NotRequested").await?;
+    let gone = routes.clone();
+    wait::poll(
+        "the HTTPRoute deleted",
+        CONVERGE,
+        move || {
+            let gone = gone.clone();
+            async move { Ok(gone.get_opt("smollm2").await?.is_none().then_some(())) }
+        },
+        || "the HTTPRoute remains".to_owned(),
+    )
+    .await?;
+    setup.ensure_no_forbidden()
+}
+
+/// Waits until `HTTPRouteReady` has `status` and `reason`.
+async fn wait_route_condition(setup: &Setup, status: &str, reason: &str) -> anyhow::Result<()> {
+    let (want_status, want_reason) = (status.to_owned(), reason.to_owned());
+    wait::for_object(
+        &setup.isvcs(),
+        "smollm2",
+        &format!("HTTPRouteReady={status} ({reason})"),
+        CONVERGE,
+        move |o: Option<&DynamicObject>| {
+            o.is_some_and(|o| {
+                o.data["status"]["conditions"].as_array().is_some_and(|c| {
+                    c.iter().any(|c| {
+                        c["type"] == "HTTPRouteReady"
+                            && c["status"] == want_status.as_str()
+                            && c["reason"] == want_reason.as_str()
+                    })
+                })
+            })
+        },
+    )
+    .await?;
+    Ok(())
 }

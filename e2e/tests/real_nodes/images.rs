@@ -1,5 +1,5 @@
-//! The images the real nodes run are what the Dockerfile describes: for its `engine`
-//! and `operator` stages, the image each node's containerd holds under the name the
+//! The images the real nodes run are what the Dockerfile describes: for its `engine`,
+//! `operator` and `router` stages, the image each node's containerd holds under the name the
 //! manifests use has the stage's USER and ENTRYPOINT, was imported from the OCI
 //! tarball `e2e/cluster/build-images` wrote (same manifest digest), and that
 //! tarball's layer holds the binary at the stage's COPY destination.
@@ -67,8 +67,8 @@ fn dockerfile_stages(text: &str) -> anyhow::Result<BTreeMap<String, Stage>> {
     Ok(stages)
 }
 
-/// The `image:` of the operator's Deployment.
-fn operator_image() -> anyhow::Result<String> {
+/// The operator's container in `manifests/operator/deployment.yaml`.
+fn operator_container() -> anyhow::Result<Value> {
     let path = repo_root()
         .join("manifests")
         .join("operator")
@@ -76,9 +76,28 @@ fn operator_image() -> anyhow::Result<String> {
     let documents = manifests::load_documents(&path)?;
     documents
         .iter()
-        .find_map(|d| d["spec"]["template"]["spec"]["containers"][0]["image"].as_str())
+        .find_map(|d| d["spec"]["template"]["spec"]["containers"].get(0))
+        .cloned()
+        .with_context(|| format!("no container in {}", path.display()))
+}
+
+/// The `image:` of the operator's Deployment.
+fn operator_image() -> anyhow::Result<String> {
+    operator_container()?["image"]
+        .as_str()
         .map(str::to_owned)
-        .with_context(|| format!("no container image in {}", path.display()))
+        .context("the operator's container has no image")
+}
+
+/// The router pods' image: the operator's `--router-image` in its Deployment.
+fn router_image() -> anyhow::Result<String> {
+    operator_container()?["args"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|arg| arg.as_str()?.strip_prefix("--router-image="))
+        .map(str::to_owned)
+        .context("the operator's Deployment passes no --router-image")
 }
 
 /// One member of an OCI layout tarball, read with tar(1).
@@ -152,6 +171,7 @@ pub async fn imported_images_match_the_dockerfile(env: Arc<Env>) -> anyhow::Resu
             "engine-fault-injection.oci.tar",
         ),
         ("operator", operator_image()?, "operator.oci.tar"),
+        ("router", router_image()?, "router.oci.tar"),
     ] {
         let stage = stages
             .get(stage_name)

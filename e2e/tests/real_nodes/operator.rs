@@ -25,8 +25,8 @@ use slipway_e2e::real_nodes::{self, RealNode};
 
 use crate::support::{
     ENGINE_PORT, Env, FollowedLog, OperatorProcess, POD_READY, RealNs, Streamed, apply, chat,
-    condition, endpoints, fault_injection_image, http, kubelet_lines, node_of, pod_ip, pod_ready,
-    real_namespace, real_sample, stream_completion,
+    condition, engine_endpoints, fault_injection_image, http, kubelet_lines, node_of, pod_ip,
+    pod_ready, real_namespace, real_sample, stream_completion,
 };
 
 const ISVC: &str = "smollm2";
@@ -201,15 +201,16 @@ pub async fn cpu_sample_is_ready_on_real_nodes_and_answers(env: Arc<Env>) -> any
             pod.name_any()
         );
     }
-    // A request to a pod IP from the client Service's EndpointSlice.
-    let ready: Vec<_> = endpoints(&running.ns.admin, running.ns.name(), ISVC)
+    // A request to a leader's pod IP from its release Service's EndpointSlice (the
+    // client Service selects the router pods).
+    let ready: Vec<_> = engine_endpoints(&running.ns.admin, running.ns.name(), ISVC)
         .await?
         .into_iter()
         .filter(|e| e.ready)
         .collect();
     ensure!(
         ready.len() == 2,
-        "the client Service has {} ready endpoints, not 2: {ready:?}",
+        "the release Service has {} ready endpoints, not 2: {ready:?}",
         ready.len()
     );
     let isvc = running.ns.isvcs().get(ISVC).await?;
@@ -239,7 +240,7 @@ async fn watch_endpoint(
     let mut states: Vec<(Timestamp, EndpointState)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(180);
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-        let now = endpoints(&admin, &namespace, ISVC)
+        let now = engine_endpoints(&admin, &namespace, ISVC)
             .await?
             .into_iter()
             .find(|e| e.pod == pod)
@@ -427,10 +428,10 @@ struct LoadReport {
     slo_met: u64,
 }
 
-/// Open-loop load through the client Service's ready endpoints, round-robin, as the
-/// Service would spread it (there is no kube-proxy: the endpoints are read from the
-/// EndpointSlices every second), at `rate(seconds since start)` requests per second.
-/// Stops when `stop` is set.
+/// Open-loop load through the engines' ready endpoints (their release Services'),
+/// round-robin, as a Service would spread it (there is no kube-proxy: the endpoints
+/// are read from the EndpointSlices every second), at `rate(seconds since start)`
+/// requests per second. Stops when `stop` is set.
 async fn service_load(
     admin: kube::Client,
     namespace: String,
@@ -451,7 +452,7 @@ async fn service_load(
     let deadline = Instant::now() + Duration::from_secs(900);
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         if refreshed.elapsed() >= Duration::from_secs(1) {
-            ips = endpoints(&admin, &namespace, ISVC)
+            ips = engine_endpoints(&admin, &namespace, ISVC)
                 .await?
                 .into_iter()
                 .filter(|e| e.ready)
@@ -813,7 +814,7 @@ fn ramp(t: f64) -> f64 {
     }
 }
 
-/// Measured demand on real pods: an open-loop ramp through the client Service makes
+/// Measured demand on real pods: an open-loop ramp through the release Service makes
 /// the operator add groups as the engines' request counters rise, then remove them,
 /// one at a time through drain, once the demand has stayed low for the stabilisation
 /// window. No admitted request is lost on the way; the SLO-met fraction, and demand,

@@ -445,14 +445,30 @@ pub struct EndpointView {
     pub terminating: bool,
 }
 
-/// Every endpoint of Service `service`, from its EndpointSlices.
-pub async fn endpoints(
+/// Every engine endpoint of InferenceService `instance`: the leaders its per-release
+/// Services select, from their EndpointSlices (which carry their Services' labels).
+/// The client Service selects the router pods, so its endpoints are no engines.
+pub async fn engine_endpoints(
     admin: &Client,
     namespace: &str,
-    service: &str,
+    instance: &str,
+) -> anyhow::Result<Vec<EndpointView>> {
+    endpoints_of(
+        admin,
+        namespace,
+        &format!("app.kubernetes.io/instance={instance},slipway.dev/release"),
+    )
+    .await
+}
+
+/// Every endpoint of the EndpointSlices `selector` lists.
+async fn endpoints_of(
+    admin: &Client,
+    namespace: &str,
+    selector: &str,
 ) -> anyhow::Result<Vec<EndpointView>> {
     let slices = Api::<EndpointSlice>::namespaced(admin.clone(), namespace)
-        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={service}")))
+        .list(&ListParams::default().labels(selector))
         .await?;
     let mut out = Vec::new();
     for slice in slices.items {
