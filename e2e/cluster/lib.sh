@@ -58,6 +58,11 @@ REQUIRED_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl
 # loopback port through a Unix socket, see ./up).
 NODE_PACKAGES=(runc=runc /usr/lib/cni/bridge=containernetworking-plugins socat=socat)
 CNI_BIN_DIR=/usr/lib/cni
+# Service ClusterIPs. There is no kube-proxy: only the first address, the kubernetes
+# Service (the API server), is answered, inside each real node (./real-nodes), so that
+# pods which watch the API (the router) reach it as they would in any cluster.
+SERVICE_CIDR=10.0.0.0/24
+KUBERNETES_SERVICE_IP=10.0.0.1
 
 # Where `up` keeps a cluster: kwokctl's work dir (pids/, logs/, etcd data, pki,
 # kubeconfig). Outside the repository, one directory per cluster name.
