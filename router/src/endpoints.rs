@@ -51,13 +51,26 @@ struct Endpoint {
     backoff_until: Option<Instant>,
     /// Requests in flight here: (id, sent at, blocks they will hold).
     in_flight: Vec<(u64, Instant, usize)>,
+    /// Requests that were running when the last report was taken and have finished
+    /// since: (finished at, blocks they held). The report still counts their blocks.
+    finished_since_report: Vec<(Instant, usize)>,
 }
 
 impl Endpoint {
     fn candidate(&self, model: &str, overlap_blocks: usize) -> Candidate {
         let load = self.load.as_ref().map(|(report, taken_at)| LoadView {
             waiting: report.waiting,
-            kv_blocks_used: report.kv_blocks_used,
+            // What finished after the report was taken no longer holds its blocks:
+            // without this, an engine that just finished a long prompt looks loaded
+            // until its next report, and the next request sharing that prompt goes
+            // to the engine without its prefix.
+            kv_blocks_used: report.kv_blocks_used.saturating_sub(
+                self.finished_since_report
+                    .iter()
+                    .filter(|(finished, _)| finished > taken_at)
+                    .map(|(_, blocks)| blocks)
+                    .sum(),
+            ),
             // What the router sent after the report was taken is not in it yet.
             pending_blocks: self
                 .in_flight
@@ -179,6 +192,7 @@ impl Live {
                     unreachable: false,
                     backoff_until: None,
                     in_flight: Vec::new(),
+                    finished_since_report: Vec::new(),
                 },
             };
             view.endpoints.insert(d.url, endpoint);
@@ -224,6 +238,9 @@ impl Live {
                 Some(r) => {
                     e.load = Some((r, taken_at));
                     e.unreachable = false;
+                    // What finished before this report is already out of it.
+                    e.finished_since_report
+                        .retain(|(finished, _)| *finished > taken_at);
                 }
                 None => e.unreachable = true,
             }
@@ -327,7 +344,19 @@ pub struct InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some(e) = lock(&self.live.view).endpoints.get_mut(&self.url) {
-            e.in_flight.retain(|(id, _, _)| *id != self.id);
+            let now = Instant::now();
+            let taken_at = e.load.as_ref().map(|(_, at)| *at);
+            e.in_flight.retain(|&(id, sent, blocks)| {
+                if id != self.id {
+                    return true;
+                }
+                // Sent before the last report: the report counts its blocks until
+                // the next one. Sent after it: it was only pending, and is gone.
+                if taken_at.is_some_and(|at| sent <= at) {
+                    e.finished_since_report.push((now, blocks));
+                }
+                false
+            });
         }
     }
 }
@@ -402,6 +431,37 @@ mod tests {
         drop(guard);
         let choice = live.choose("s", "m", &[], 0, &params(), Instant::now());
         assert_eq!(choice.urls.first().map(String::as_str), Some("a"));
+    }
+
+    #[test]
+    fn requests_finished_since_a_report_no_longer_count_as_its_decode_load() {
+        let live = Arc::new(Live::new(Slo {
+            ttft: Duration::from_secs(1),
+            tpot: Duration::from_millis(100),
+        }));
+        live.set_endpoints(vec![found("a", "s"), found("b", "s")]);
+        // 25 blocks sent to `a`, running when both reports are taken.
+        let guard = live.start("a", 25, &[]);
+        std::thread::sleep(Duration::from_millis(2));
+        let taken = Instant::now();
+        live.record_load("a", Some(report("s", 25, false)), taken);
+        live.record_load("b", Some(report("s", 10, false)), taken);
+        let first = |live: &Live| {
+            live.choose("s", "m", &[], 0, &params(), Instant::now())
+                .urls
+                .first()
+                .cloned()
+        };
+        assert_eq!(first(&live).as_deref(), Some("b"));
+        // It finishes before the next report: `a` holds nothing, whatever that report
+        // said.
+        std::thread::sleep(Duration::from_millis(2));
+        drop(guard);
+        assert_eq!(first(&live).as_deref(), Some("a"));
+        // The next report shows it gone; nothing is subtracted twice.
+        std::thread::sleep(Duration::from_millis(2));
+        live.record_load("a", Some(report("s", 12, false)), Instant::now());
+        assert_eq!(first(&live).as_deref(), Some("b"));
     }
 
     #[test]
