@@ -25,6 +25,6 @@ test-unit: ## unit, property and engine tests of the default workspace members
 test: test-unit ## everything: unit tests and the end-to-end tests
 
 # Component fragments: each adds its own targets (model, bench-*, e2e, ...).
--include engine/engine.mk engine/cuda.mk bench/bench.mk e2e/e2e.mk operator/operator.mk operator/rollout.mk charts/charts.mk
+-include engine/engine.mk engine/cuda.mk router/router.mk bench/bench.mk e2e/e2e.mk operator/operator.mk operator/rollout.mk charts/charts.mk
 # The SLO rules and dashboard: generate, lint (drift) and test (promtool) hooks.
 -include manifests/monitoring/monitoring.mk

@@ -1,6 +1,7 @@
-"""The official OpenAI Python client against `slipway-engine serve` (started by
-run-openai-client): chat and completions, streaming and not, usage present (also on
-streams with stream_options.include_usage), stop strings honoured.
+"""The official OpenAI Python client against `slipway-engine serve`, or against
+`slipway-router` in front of two engines (both started by run-openai-client): chat and
+completions, streaming and not, usage present (also on streams with
+stream_options.include_usage), stop strings honoured.
 
 Nothing here skips: a missing server URL is a failure.
 """
