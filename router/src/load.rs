@@ -11,10 +11,18 @@ use slipway_contract::{LoadReport, paths};
 
 use crate::endpoints::Live;
 
-/// Polls forever (the caller aborts the task at shutdown).
-pub async fn poll(live: Arc<Live>, client: reqwest::Client, interval: Duration) {
+/// Polls forever (the caller aborts the task at shutdown); `after_first_round` runs
+/// once every endpoint has been asked once, so a router that turns ready then already
+/// knows which models its endpoints serve.
+pub async fn poll(
+    live: Arc<Live>,
+    client: reqwest::Client,
+    interval: Duration,
+    after_first_round: impl FnOnce() + Send,
+) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut after_first_round = Some(after_first_round);
     loop {
         ticker.tick().await;
         let urls = live.urls();
@@ -31,6 +39,9 @@ pub async fn poll(live: Arc<Live>, client: reqwest::Client, interval: Duration) 
                 }
                 Poll::Bad(why) => tracing::debug!(%url, %why, "load poll failed"),
             }
+        }
+        if let Some(first) = after_first_round.take() {
+            first();
         }
     }
 }

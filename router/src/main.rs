@@ -92,11 +92,24 @@ async fn run(args: RouterArgs) -> anyhow::Result<()> {
         }
         None => {
             discovery::from_args(&live, &args);
-            app.ready.store(true, std::sync::atomic::Ordering::Relaxed);
             None
         }
     };
-    let poller = tokio::spawn(load::poll(Arc::clone(&live), client, args.load_interval));
+    let poller = {
+        // Without Kubernetes the view is complete once each endpoint was asked for its
+        // load (and its models); with it, discovery turns the router ready.
+        let (app, static_mode) = (Arc::clone(&app), watch.is_none());
+        tokio::spawn(load::poll(
+            Arc::clone(&live),
+            client,
+            args.load_interval,
+            move || {
+                if static_mode {
+                    app.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            },
+        ))
+    };
     let addr = SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
