@@ -4,8 +4,8 @@
 # RBAC, the operator as a host process under its own ServiceAccount token, and the
 # SmolLM2 CPU sample on real pods: placed on the real nodes, its model from a
 # `pvc://` claim on the model cache, sized for the two nodes. Waits until it is Ready,
-# then sends a chat request to a pod IP from the client Service's EndpointSlice (there
-# is no kube-proxy) and prints the model's answer and `kubectl get -o wide`.
+# then sends a chat request through the router, to a router pod IP from the client
+# Service's EndpointSlice (there is no kube-proxy) and prints the model's answer and `kubectl get -o wide`.
 # `make demo-down` (this script with `down`) undoes it.
 #
 # State lives in $SLIPWAY_CACHE/demo: the operator's PID, log and kubeconfig.
@@ -129,7 +129,9 @@ kubectl patch --local -f "$root/manifests/samples/smollm2-cpu.yaml" --type merge
   "capacity": {"demand": {"static": 0.5}, "replicaGoodput": 0.5,
                "faultDomain": {"topologyKey": "topology.kubernetes.io/zone", "fLoss": 0.5}},
   "podTemplate": {"nodeSelector": {"slipway.dev/node-kind": "real"},
-                  "tolerations": [{"key": "slipway.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]}
+                  "tolerations": [{"key": "slipway.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]},
+  "router": {"nodeSelector": {"slipway.dev/node-kind": "real"},
+             "tolerations": [{"key": "slipway.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]}
 }}
 JSON
 )" | kubectl apply -f -
@@ -143,13 +145,22 @@ fi
 kubectl get inferenceservices,pods --namespace default -o wide
 echo
 
-echo "==> a chat request to a ready endpoint of the client Service"
-ip=$(kubectl get endpointslices --namespace default -l kubernetes.io/service-name=smollm2 \
-  -o jsonpath='{range .items[*].endpoints[?(@.conditions.ready==true)]}{.addresses[0]}{"\n"}{end}' | head -n1)
-[[ -n $ip ]] || { echo "the client Service smollm2 has no ready endpoint" >&2; exit 1; }
+echo "==> a chat request through the router (a ready endpoint of the client Service)"
+# The client Service selects the router pods; they route to the engines' leaders.
+ip=""
+for _ in $(seq 1 120); do
+  ip=$(kubectl get endpointslices --namespace default -l kubernetes.io/service-name=smollm2 \
+    -o jsonpath='{range .items[*].endpoints[?(@.conditions.ready==true)]}{.addresses[0]}{"\n"}{end}' | head -n1)
+  [[ -n $ip ]] && break
+  sleep 1
+done
+[[ -n $ip ]] || { echo "the client Service smollm2 has no ready router endpoint after 120 s" >&2; kubectl get pods --namespace default -o wide >&2; exit 1; }
+port=$(kubectl get endpointslices --namespace default -l kubernetes.io/service-name=smollm2 \
+  -o jsonpath='{.items[0].ports[0].port}')
 answer=$(curl --silent --show-error --fail --noproxy '*' --max-time 120 \
-  "http://$ip:8000/v1/chat/completions" -H 'content-type: application/json' \
+  "http://$ip:$port/v1/chat/completions" -H 'content-type: application/json' \
   -d '{"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 48}')
-echo "$answer" | python3 -c 'import json, sys; r = json.load(sys.stdin); print("model %s on %s: %s" % (r["model"], sys.argv[1], r["choices"][0]["message"]["content"].strip()))' "$ip"
+echo "$answer" | python3 -c 'import json, sys; r = json.load(sys.stdin); print("model %s via the router %s: %s" % (r["model"], sys.argv[1], r["choices"][0]["message"]["content"].strip()))' "$ip:$port"
 echo
+echo "router metrics (TTFT, TPOT, outcomes per release): curl -s http://$ip:$port/metrics | grep slipway_router_"
 echo "operator metrics: curl -s 127.0.0.1:18080/metrics; stop everything with: make demo-down"

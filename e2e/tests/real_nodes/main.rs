@@ -45,6 +45,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         operator::cpu_sample_is_ready_on_real_nodes_and_answers,
         operator::drain_under_load_finishes_every_stream,
         operator::a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted,
+        operator::the_router_sends_a_ten_percent_canary_ten_percent_of_requests,
         operator::a_killed_engine_recreates_its_group,
         operator::a_stopped_kubelet_loses_its_zone_and_recovers,
         operator::measured_demand_follows_a_ramp,

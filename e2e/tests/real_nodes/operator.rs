@@ -24,9 +24,9 @@ use serde_json::{Value, json};
 use slipway_e2e::real_nodes::{self, RealNode};
 
 use crate::support::{
-    ENGINE_PORT, Env, FollowedLog, OperatorProcess, POD_READY, RealNs, Streamed, apply, chat,
-    condition, engine_endpoints, fault_injection_image, http, kubelet_lines, node_of, pod_ip,
-    pod_ready, real_namespace, real_sample, stream_completion,
+    ENGINE_PORT, Env, FollowedLog, OperatorProcess, POD_READY, ROUTER_PORT, RealNs, Streamed,
+    apply, chat, condition, engine_endpoints, fault_injection_image, http, kubelet_lines, node_of,
+    pod_ip, pod_ready, real_namespace, real_sample, router_endpoints, stream_completion,
 };
 
 const ISVC: &str = "smollm2";
@@ -428,13 +428,23 @@ struct LoadReport {
     slo_met: u64,
 }
 
-/// Open-loop load through the engines' ready endpoints (their release Services'),
-/// round-robin, as a Service would spread it (there is no kube-proxy: the endpoints
-/// are read from the EndpointSlices every second), at `rate(seconds since start)`
-/// requests per second. Stops when `stop` is set.
+/// Where load goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    /// The engines' ready endpoints (their release Services'), round-robin.
+    Engines,
+    /// The router pods (the client Service's endpoints), round-robin between them.
+    Router,
+}
+
+/// Open-loop load through `via`'s ready endpoints, round-robin, as a Service would
+/// spread it (there is no kube-proxy: the endpoints are read from the EndpointSlices
+/// every second), at `rate(seconds since start)` requests per second. Stops when
+/// `stop` is set.
 async fn service_load(
     admin: kube::Client,
     namespace: String,
+    via: Via,
     rate: impl Fn(f64) -> f64 + Send + 'static,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<LoadReport> {
@@ -442,6 +452,10 @@ async fn service_load(
     // The sample's SLO (slo.ttft 2 s, slo.tpot 150 ms) as an E2E bound.
     let slo_e2e = Duration::from_millis(2000 + 150 * u64::from(TOKENS - 1));
     let http = http()?;
+    let port = match via {
+        Via::Engines => ENGINE_PORT,
+        Via::Router => ROUTER_PORT,
+    };
     let counts: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
     let in_flight = Arc::new(tokio::sync::Semaphore::new(32));
     let mut ips: Vec<String> = Vec::new();
@@ -452,8 +466,11 @@ async fn service_load(
     let deadline = Instant::now() + Duration::from_secs(900);
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         if refreshed.elapsed() >= Duration::from_secs(1) {
-            ips = engine_endpoints(&admin, &namespace, ISVC)
-                .await?
+            let endpoints = match via {
+                Via::Engines => engine_endpoints(&admin, &namespace, ISVC).await?,
+                Via::Router => router_endpoints(&admin, &namespace, ISVC).await?,
+            };
+            ips = endpoints
                 .into_iter()
                 .filter(|e| e.ready)
                 .map(|e| e.ip)
@@ -471,7 +488,7 @@ async fn service_load(
                 counts[0].fetch_add(1, Ordering::Relaxed);
                 let sent = Instant::now();
                 let status = http
-                    .post(format!("http://{ip}:{ENGINE_PORT}/v1/completions"))
+                    .post(format!("http://{ip}:{port}/v1/completions"))
                     .timeout(Duration::from_secs(60))
                     .json(&json!({"model": ISVC, "prompt": "Once upon a time", "max_tokens": TOKENS, "ignore_eos": true}))
                     .send()
@@ -523,12 +540,15 @@ fn with_rollout(mut isvc: Value) -> Value {
             "longBurnRateThreshold": 5,
             "minRequests": 6,
             "inconclusivePolicy": "Hold",
-            "metrics": {"source": "Scrape"},
+            "metrics": {"source": "Router"},
         },
     });
     isvc
 }
 
+/// The rollout analysis reads the router (`metrics.source: Router`): the load goes
+/// through the router pods, which measure each release's TTFT, TPOT and outcomes at
+/// the gateway, and the slow bundle is rolled back on that evidence alone.
 pub async fn a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted(
     env: Arc<Env>,
 ) -> anyhow::Result<()> {
@@ -546,6 +566,7 @@ pub async fn a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted(
     let load = tokio::spawn(service_load(
         running.ns.admin.clone(),
         running.ns.name().to_owned(),
+        Via::Router,
         |_| 4.0,
         Arc::clone(&stop),
     ));
@@ -617,6 +638,190 @@ pub async fn a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted(
         "serving dropped to {min_serving} groups during the rollouts, below N_healthy = {healthy}"
     );
     tracing::info!(sent, failed, min_serving, promoted = %promoted["stableRelease"], "rollouts on real pods done");
+    Ok(())
+}
+
+/// Sums `slipway_requests_total` of each release over the engines' ready endpoints:
+/// the engines' own count of what reached them, independent of the router.
+async fn requests_by_release(
+    running: &Running,
+) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
+    let http = http()?;
+    let mut by_release = std::collections::BTreeMap::new();
+    for endpoint in engine_endpoints(&running.ns.admin, running.ns.name(), ISVC).await? {
+        if !endpoint.ready {
+            continue;
+        }
+        let text = http
+            .get(format!("http://{}:{ENGINE_PORT}/metrics", endpoint.ip))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await?
+            .text()
+            .await?;
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("slipway_requests_total{"))
+        {
+            let release = line
+                .split("release=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .unwrap_or_default()
+                .to_owned();
+            let value: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0);
+            *by_release.entry(release).or_insert(0.0) += value;
+        }
+    }
+    Ok(by_release)
+}
+
+/// The router gives a canary its step's request weight, whatever the group counts:
+/// with three stable groups and one canary group at weight 10 (a share of groups would
+/// send it 25 %), 1,000 requests through the two router pods reach the canary's
+/// engines 10 % ± 3 % of the time, as the engines themselves count them. The router
+/// pods run on the real nodes, watch the API server under the Role the operator
+/// rendered, and route to engines on both nodes.
+pub async fn the_router_sends_a_ten_percent_canary_ten_percent_of_requests(
+    env: Arc<Env>,
+) -> anyhow::Result<()> {
+    const REQUESTS: usize = 1000;
+    let mut base = real_sample("")?;
+    // Three stable groups, no spare: N_healthy = 1.5 / 0.5, fLoss 0.
+    base["spec"]["capacity"]["demand"] = json!({"static": 1.5});
+    base["spec"]["capacity"]["faultDomain"]["fLoss"] = json!(0.0);
+    // Hold the first step: a long pause, and analysis that never has enough evidence.
+    base["spec"]["rollout"] = json!({
+        "steps": [{"weight": 10, "pause": "30m"}, {"weight": 100}],
+        "maxSurge": 1,
+        "analysis": {
+            "interval": "5s",
+            "minRequests": 1000000,
+            "inconclusivePolicy": "Hold",
+            "metrics": {"source": "Router"},
+        },
+    });
+    let mut running = Running::start_with(&env, base.clone(), 3).await?;
+    let stable = running.status().await?["stableRelease"]
+        .as_str()
+        .context("no stableRelease once Ready")?
+        .to_owned();
+
+    let mut canary = base.clone();
+    canary["metadata"]["namespace"] = json!(running.ns.name());
+    canary["spec"]["release"]["engine"]["args"] = json!(["--kv-blocks", "192"]);
+    apply(&running.ns, &canary).await?;
+    let canary_release = running
+        .until("the canary at weight 10", Duration::from_secs(420), |s| {
+            (s["canaryRelease"]["weight"] == 10)
+                .then(|| s["canaryRelease"]["hash"].as_str().map(str::to_owned))
+                .flatten()
+        })
+        .await?;
+
+    // Both router pods see the canary's engine as eligible before any request counts.
+    let http = http()?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let routers = loop {
+        let routers: Vec<String> = router_endpoints(&running.ns.admin, running.ns.name(), ISVC)
+            .await?
+            .into_iter()
+            .filter(|e| e.ready)
+            .map(|e| e.ip)
+            .collect();
+        let mut seen = 0;
+        for ip in &routers {
+            let text = http
+                .get(format!("http://{ip}:{ROUTER_PORT}/metrics"))
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await?
+                .text()
+                .await?;
+            let eligible = format!(
+                "slipway_router_endpoints{{release=\"{canary_release}\",state=\"eligible\"}} 1"
+            );
+            if text.lines().any(|l| l == eligible) {
+                seen += 1;
+            }
+        }
+        if routers.len() == 2 && seen == 2 {
+            break routers;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the router pods {routers:?} do not both route to the canary {canary_release} after 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+
+    let before = requests_by_release(&running).await?;
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(8));
+    let mut tasks = Vec::new();
+    for i in 0..REQUESTS {
+        let permit = Arc::clone(&in_flight).acquire_owned().await?;
+        let (http, ip) = (http.clone(), routers[i % routers.len()].clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            http.post(format!("http://{ip}:{ROUTER_PORT}/v1/completions"))
+                .timeout(Duration::from_secs(60))
+                .json(&json!({"model": ISVC, "prompt": "Hi", "max_tokens": 1}))
+                .send()
+                .await
+                .map(|r| r.status().is_success())
+                .unwrap_or(false)
+        }));
+    }
+    let mut ok = 0;
+    for task in join_all(tasks).await {
+        if task.unwrap_or(false) {
+            ok += 1;
+        }
+    }
+    ensure!(
+        ok == REQUESTS,
+        "only {ok} of {REQUESTS} requests through the router succeeded"
+    );
+    let after = requests_by_release(&running).await?;
+    let grew = |release: &str| {
+        after.get(release).copied().unwrap_or(0.0) - before.get(release).copied().unwrap_or(0.0)
+    };
+    let (to_canary, to_stable) = (grew(&canary_release), grew(&stable));
+    let share = to_canary / (to_canary + to_stable);
+    let groups: Vec<String> = running
+        .engine_pods()
+        .await?
+        .iter()
+        .map(|p| {
+            p.labels()
+                .get("slipway.dev/release")
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    write_report(
+        "router-canary-share.txt",
+        &format!(
+            "{REQUESTS} requests through {} router pods: canary {canary_release} {to_canary}, stable {stable} {to_stable} (share {:.2} %); engine pods by release: {groups:?}\n",
+            routers.len(),
+            share * 100.0
+        ),
+    )?;
+    ensure!(
+        (to_canary + to_stable - REQUESTS as f64).abs() < 0.5,
+        "the engines counted {} requests, not {REQUESTS}",
+        to_canary + to_stable
+    );
+    ensure!(
+        (0.07..=0.13).contains(&share),
+        "the canary at weight 10 received {:.1} % of the requests ({to_canary} of {})",
+        share * 100.0,
+        to_canary + to_stable
+    );
     Ok(())
 }
 
@@ -840,6 +1045,7 @@ pub async fn measured_demand_follows_a_ramp(env: Arc<Env>) -> anyhow::Result<()>
     let load = tokio::spawn(service_load(
         running.ns.admin.clone(),
         running.ns.name().to_owned(),
+        Via::Engines,
         ramp,
         Arc::clone(&stop),
     ));

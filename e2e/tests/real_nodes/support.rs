@@ -23,7 +23,9 @@ use slipway_e2e::real_nodes::{self, ModelClaim, RealNode};
 use slipway_e2e::{Cluster, TestNamespace, crd, manifests};
 
 /// The engine's port in every pod (the operator's, and the hand-written pod's).
-pub const ENGINE_PORT: u16 = 8000;
+pub const ENGINE_PORT: u16 = slipway_contract::ENGINE_PORT;
+/// The router's port in its pods.
+pub const ROUTER_PORT: u16 = slipway_contract::router::ROUTER_PORT;
 /// Bound for an engine pod to be scheduled, started, loaded and probed ready.
 pub const POD_READY: Duration = Duration::from_secs(180);
 
@@ -191,6 +193,11 @@ pub fn real_sample(namespace: &str) -> anyhow::Result<Value> {
         "tolerations": placement["tolerations"],
         // The engine logs its drain (SIGTERM, exit) at info; its default is warn.
         "env": [{"name": "RUST_LOG", "value": "info"}],
+    });
+    // The router's pods too: they watch the API server and route to both nodes' engines.
+    spec["router"] = json!({
+        "nodeSelector": placement["nodeSelector"],
+        "tolerations": placement["tolerations"],
     });
     Ok(isvc)
 }
@@ -457,6 +464,20 @@ pub async fn engine_endpoints(
         admin,
         namespace,
         &format!("app.kubernetes.io/instance={instance},slipway.dev/release"),
+    )
+    .await
+}
+
+/// The router pods of InferenceService `instance`: the endpoints of its client Service.
+pub async fn router_endpoints(
+    admin: &Client,
+    namespace: &str,
+    instance: &str,
+) -> anyhow::Result<Vec<EndpointView>> {
+    endpoints_of(
+        admin,
+        namespace,
+        &format!("kubernetes.io/service-name={instance}"),
     )
     .await
 }
