@@ -283,6 +283,35 @@ fn invalid_cases() -> Vec<InvalidCase> {
             Cel("preStopDelaySeconds must be less than maxDrainSeconds"),
         ),
         case(
+            "a Gateway named once per listener",
+            vec![(
+                "/spec/router",
+                json!({"httpRoute": {"parentRefs": [{"name": "public"}, {"name": "public"}]}}),
+            )],
+            Cel("parentRefs: each Gateway (and sectionName) may be named only once"),
+        ),
+        case(
+            "sectionName in every reference to a Gateway named twice",
+            vec![(
+                "/spec/router",
+                json!({"httpRoute": {"parentRefs": [
+                    {"name": "public", "namespace": "gw"},
+                    {"name": "public", "namespace": "gw", "sectionName": "https"},
+                ]}}),
+            )],
+            Cel(
+                "parentRefs: sectionName must be set in every reference to a Gateway named more than once",
+            ),
+        ),
+        case(
+            "Gateway namespace is a DNS label",
+            vec![(
+                "/spec/router",
+                json!({"httpRoute": {"parentRefs": [{"name": "public", "namespace": "Gate_ways"}]}}),
+            )],
+            Cel("parentRefs.namespace must be a namespace name (a DNS label)"),
+        ),
+        case(
             "device is an enum",
             vec![("/spec/release/engine/device", json!("TPU"))],
             Schema("spec.release.engine.device: Unsupported value: \"TPU\""),
