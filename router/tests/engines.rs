@@ -9,7 +9,8 @@
 //! - a draining engine gets nothing new and still finishes its stream;
 //! - a 10 % canary gets 10 % of requests (within binomial tolerance), and a session
 //!   stays on one release;
-//! - the router's own drain: a stream in flight completes, `/ready` turns 503, exit 0.
+//! - the router's own drain: a stream in flight completes, `/ready` turns 503, exit 0;
+//! - a client that goes away mid-stream cancels its request in the engine.
 //!
 //! The engines run with `--threads 1` and small `max_tokens`, so each test takes a few
 //! seconds on a 2-core machine; the tests of this file run one at a time ([`SERIAL`]),
@@ -897,4 +898,53 @@ async fn sigterm_drains_the_router_its_stream_in_flight_completes_and_it_exits_z
         status.success(),
         "the router exits 0 after its drain: {status}"
     );
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_mid_stream_cancels_its_request_in_the_engine() {
+    let _serial = SERIAL.lock().await;
+    let engine = engine(&[]);
+    let router = router(&[&engine], None);
+    let http = client();
+    wait_for_models(&http, &router).await;
+
+    let response = http
+        .post(router.url("/v1/completions"))
+        .json(&long_stream(512))
+        .send()
+        .await
+        .expect("the stream");
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let first = body.next().await;
+    assert!(matches!(first, Some(Ok(_))), "no first chunk: {first:?}");
+    assert_eq!(running(&load(&http, &engine).await), 1);
+    // The client goes away after its first chunk, 500 tokens early.
+    drop(body);
+
+    eventually("the engine to stop running the abandoned request", || {
+        let http = http.clone();
+        let engine = &engine;
+        async move { (running(&load(&http, engine).await) == 0).then_some(()) }
+    })
+    .await;
+    let engine_text = scrape(&http, &engine).await;
+    assert_eq!(
+        sample(
+            &engine_text,
+            &counter_total(metrics::REQUESTS),
+            &[(metrics::OUTCOME_LABEL, "cancelled")],
+        ),
+        1.0,
+        "the engine counts the abandoned request cancelled:\n{engine_text}"
+    );
+    let router_text = eventually("the router to count the request cancelled", || {
+        let (http, router) = (http.clone(), &router);
+        async move {
+            let text = scrape(&http, router).await;
+            (router_requests(&text, STATIC_STABLE, "cancelled") == 1.0).then_some(text)
+        }
+    })
+    .await;
+    assert_eq!(router_requests(&router_text, STATIC_STABLE, "ok"), 0.0);
 }
