@@ -72,6 +72,10 @@ pub struct LoadView {
     pub kv_blocks_used: usize,
     /// Blocks of requests the router sent since this report was taken (not in it yet).
     pub pending_blocks: usize,
+    /// Uncached prompt blocks of the router's requests here still waiting for their
+    /// first token: prefill work the engine has queued or is doing (Dynamo counts a
+    /// worker's active prefill blocks the same way).
+    pub prefill_backlog_blocks: usize,
     /// When the report was read.
     pub taken_at: Instant,
 }
@@ -155,7 +159,9 @@ pub struct Ranking {
 /// endpoint with this load and overlap: lower is better.
 #[must_use]
 pub fn cost(load: &LoadView, overlap_blocks: usize, prompt_blocks: usize, scale: f64) -> f64 {
-    let uncached = prompt_blocks.saturating_sub(overlap_blocks);
+    let uncached = prompt_blocks
+        .saturating_sub(overlap_blocks)
+        .saturating_add(load.prefill_backlog_blocks);
     let decode = load.kv_blocks_used.saturating_add(load.pending_blocks);
     // usize → f64 loses precision only past 2^53 blocks, far beyond any KV pool.
     scale * uncached as f64 + decode as f64
@@ -341,6 +347,7 @@ mod tests {
                 waiting: 0,
                 kv_blocks_used: 0,
                 pending_blocks: 0,
+                prefill_backlog_blocks: 0,
                 taken_at: now,
             }),
             in_flight: 0,

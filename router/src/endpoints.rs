@@ -41,6 +41,19 @@ pub struct Discovered {
     pub terminating: bool,
 }
 
+/// One request the router has in flight at an endpoint.
+#[derive(Debug)]
+struct Sent {
+    id: u64,
+    at: Instant,
+    /// KV blocks it will hold.
+    blocks: usize,
+    /// Its prompt blocks the endpoint was not predicted to hold: its prefill work.
+    uncached: usize,
+    /// No token has come back yet: its prefill is queued or running.
+    prefilling: bool,
+}
+
 #[derive(Debug)]
 struct Endpoint {
     found: Discovered,
@@ -49,8 +62,8 @@ struct Endpoint {
     /// The last poll failed to connect: not ready until one succeeds.
     unreachable: bool,
     backoff_until: Option<Instant>,
-    /// Requests in flight here: (id, sent at, blocks they will hold).
-    in_flight: Vec<(u64, Instant, usize)>,
+    /// Requests in flight here.
+    in_flight: Vec<Sent>,
     /// Requests that were running when the last report was taken and have finished
     /// since: (finished at, blocks they held). The report still counts their blocks.
     finished_since_report: Vec<(Instant, usize)>,
@@ -75,8 +88,14 @@ impl Endpoint {
             pending_blocks: self
                 .in_flight
                 .iter()
-                .filter(|(_, sent, _)| sent > taken_at)
-                .map(|(_, _, blocks)| blocks)
+                .filter(|sent| sent.at > *taken_at)
+                .map(|sent| sent.blocks)
+                .sum(),
+            prefill_backlog_blocks: self
+                .in_flight
+                .iter()
+                .filter(|sent| sent.prefilling)
+                .map(|sent| sent.uncached)
                 .sum(),
             taken_at: *taken_at,
         });
@@ -316,13 +335,27 @@ impl Live {
     }
 
     /// A request is being sent to `url`, holding about `blocks` KV blocks there until
-    /// the guard drops. The prefix index learns that `url` now holds `hashes`.
+    /// the guard drops, `uncached` of them to prefill until its first token
+    /// ([`InFlight::first_token`]). The prefix index learns that `url` now holds
+    /// `hashes`.
     #[must_use]
-    pub fn start(self: &Arc<Self>, url: &str, blocks: usize, hashes: &[u64]) -> InFlight {
+    pub fn start(
+        self: &Arc<Self>,
+        url: &str,
+        blocks: usize,
+        uncached: usize,
+        hashes: &[u64],
+    ) -> InFlight {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         if let Some(e) = lock(&self.view).endpoints.get_mut(url) {
-            e.in_flight.push((id, now, blocks));
+            e.in_flight.push(Sent {
+                id,
+                at: now,
+                blocks,
+                uncached,
+                prefilling: true,
+            });
         }
         lock(&self.prefix).record(url, hashes, now);
         InFlight {
@@ -341,19 +374,30 @@ pub struct InFlight {
     id: u64,
 }
 
+impl InFlight {
+    /// Its first token came back: its prefill is done.
+    pub fn first_token(&self) {
+        if let Some(e) = lock(&self.live.view).endpoints.get_mut(&self.url)
+            && let Some(sent) = e.in_flight.iter_mut().find(|s| s.id == self.id)
+        {
+            sent.prefilling = false;
+        }
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some(e) = lock(&self.live.view).endpoints.get_mut(&self.url) {
             let now = Instant::now();
             let taken_at = e.load.as_ref().map(|(_, at)| *at);
-            e.in_flight.retain(|&(id, sent, blocks)| {
-                if id != self.id {
+            e.in_flight.retain(|sent| {
+                if sent.id != self.id {
                     return true;
                 }
                 // Sent before the last report: the report counts its blocks until
                 // the next one. Sent after it: it was only pending, and is gone.
-                if taken_at.is_some_and(|at| sent <= at) {
-                    e.finished_since_report.push((now, blocks));
+                if taken_at.is_some_and(|at| sent.at <= at) {
+                    e.finished_since_report.push((now, sent.blocks));
                 }
                 false
             });
@@ -425,7 +469,7 @@ mod tests {
         live.record_load("b", Some(report("s", 12, false)), before);
         std::thread::sleep(Duration::from_millis(2));
         // 10 blocks sent to `a` after its report: a now costs 20 against b's 12.
-        let guard = live.start("a", 10, &[]);
+        let guard = live.start("a", 10, 0, &[]);
         let choice = live.choose("s", "m", &[], 0, &params(), Instant::now());
         assert_eq!(choice.urls.first().map(String::as_str), Some("b"));
         drop(guard);
@@ -441,7 +485,7 @@ mod tests {
         }));
         live.set_endpoints(vec![found("a", "s"), found("b", "s")]);
         // 25 blocks sent to `a`, running when both reports are taken.
-        let guard = live.start("a", 25, &[]);
+        let guard = live.start("a", 25, 0, &[]);
         std::thread::sleep(Duration::from_millis(2));
         let taken = Instant::now();
         live.record_load("a", Some(report("s", 25, false)), taken);
@@ -475,7 +519,7 @@ mod tests {
         live.record_load("a", Some(report("s", 5, false)), now);
         live.record_load("b", Some(report("s", 0, false)), now);
         let hashes = [1, 2, 3, 4, 5, 6, 7, 8];
-        drop(live.start("a", 0, &hashes));
+        drop(live.start("a", 0, 0, &hashes));
         let choice = live.choose("s", "m", &hashes, 8, &params(), Instant::now());
         assert_eq!(choice.urls.first().map(String::as_str), Some("a"));
         assert_eq!(choice.overlap_blocks.first(), Some(&8));
@@ -484,5 +528,25 @@ mod tests {
         live.set_endpoints(vec![found("a", "s"), found("b", "s")]);
         let choice = live.choose("s", "m", &hashes, 8, &params(), Instant::now());
         assert!(choice.overlap_blocks.iter().all(|&o| o == 0), "{choice:?}");
+    }
+
+    #[test]
+    fn a_prefill_still_waiting_for_its_first_token_counts_until_it_comes() {
+        let live = Arc::new(Live::new(Slo {
+            ttft: Duration::from_secs(1),
+            tpot: Duration::from_millis(100),
+        }));
+        live.set_endpoints(vec![found("a", "s"), found("b", "s")]);
+        let now = Instant::now();
+        live.record_load("a", Some(report("s", 0, false)), now);
+        live.record_load("b", Some(report("s", 4, false)), now);
+        // `a` has 25 uncached prompt blocks queued (reported load aside): the next
+        // cold prompt goes to `b`, though `b` holds more decode blocks.
+        let prefilling = live.start("a", 0, 25, &[]);
+        let choice = live.choose("s", "m", &[], 25, &params(), Instant::now());
+        assert_eq!(choice.urls.first().map(String::as_str), Some("b"));
+        prefilling.first_token();
+        let choice = live.choose("s", "m", &[], 25, &params(), Instant::now());
+        assert_eq!(choice.urls.first().map(String::as_str), Some("a"));
     }
 }

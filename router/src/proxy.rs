@@ -285,7 +285,12 @@ async fn route(
         let overlap = choice.overlap_blocks.get(i).copied().unwrap_or(0);
         span.record("endpoint", url.as_str());
         span.record("predicted_cached_blocks", overlap);
-        let in_flight = app.live.start(url, prompt_blocks + 1, &hashes);
+        let in_flight = app.live.start(
+            url,
+            prompt_blocks + 1,
+            prompt_blocks.saturating_sub(overlap),
+            &hashes,
+        );
         let mut outgoing = HeaderMap::new();
         for name in &FORWARDED {
             if let Some(v) = headers.get(name) {
@@ -350,7 +355,7 @@ async fn route(
                     saw_error: false,
                     ended: false,
                     kept: Vec::new(),
-                    _in_flight: in_flight,
+                    in_flight,
                     _active: active,
                 };
                 return relay(response, measure, span);
@@ -449,7 +454,7 @@ struct Measure {
     ended: bool,
     /// A non-streamed answer, kept to read its usage at the end.
     kept: Vec<u8>,
-    _in_flight: InFlight,
+    in_flight: InFlight,
     _active: Active,
 }
 
@@ -479,7 +484,11 @@ impl Measure {
             .unwrap_or_default();
         if !content.is_empty() {
             self.content_events += 1;
-            self.first_token.get_or_insert_with(Instant::now);
+            if self.first_token.is_none() {
+                self.first_token = Some(Instant::now());
+                // Its prefill is done: no longer part of the endpoint's backlog.
+                self.in_flight.first_token();
+            }
         }
         if let Some(usage) = usage_of(&v) {
             self.usage = Some(usage);
