@@ -701,13 +701,66 @@ impl Reader {
         key: &str,
         canary: &str,
         stable: &str,
-        (short, long): (Duration, Duration),
+        windows: (Duration, Duration),
         routers: &[Target],
     ) -> MetricsReading {
         let scraped = self
             .scraper
             .scrape_routers(routers, &[canary, stable])
             .await;
+        let error = if routers.is_empty() {
+            Some("no ready router pod to read".to_owned())
+        } else if scraped.failures.is_empty() {
+            None
+        } else {
+            // A router that could not be read holds part of the traffic: not evidence.
+            Some(scraped.failures.join("; "))
+        };
+        self.windows_of(key, canary, stable, windows, scraped.counters, error)
+    }
+
+    /// The `Scrape` source: one series per engine pod.
+    async fn scrape(
+        &self,
+        key: &str,
+        canary: &str,
+        stable: &str,
+        windows: (Duration, Duration),
+        targets: &[Target],
+    ) -> MetricsReading {
+        let scraped = self.scraper.scrape(targets).await;
+        // Any unreadable canary pod makes the reading incomplete: not evidence.
+        let error = scraped
+            .failures
+            .iter()
+            .any(|(target, _)| target.release == canary)
+            .then(|| {
+                scraped
+                    .failures
+                    .iter()
+                    .map(|(_, why)| why.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            });
+        let samples = scraped
+            .counters
+            .into_iter()
+            .map(|(target, counters)| (target.uid.clone(), target.release.clone(), counters))
+            .collect();
+        self.windows_of(key, canary, stable, windows, samples, error)
+    }
+
+    /// Records one round of `(series, release, counters)` samples in the service's
+    /// store and reads both releases' windows from it.
+    fn windows_of(
+        &self,
+        key: &str,
+        canary: &str,
+        stable: &str,
+        (short, long): (Duration, Duration),
+        samples: Vec<(String, String, Counters)>,
+        error: Option<String>,
+    ) -> MetricsReading {
         let t = self.epoch.elapsed().as_secs_f64();
         let Ok(mut entries) = self.entries.lock() else {
             return MetricsReading {
@@ -720,7 +773,7 @@ impl Reader {
             store: SampleStore::new(t),
             last: None,
         });
-        for (series, release, counters) in scraped.counters {
+        for (series, release, counters) in samples {
             entry.store.record(t, &series, &release, counters);
         }
         entry.store.prune(t, long.as_secs_f64());
@@ -730,72 +783,11 @@ impl Reader {
                 long: entry.store.window(release, t, long.as_secs_f64()),
             })
         };
-        let error = if routers.is_empty() {
-            Some("no ready router pod to read".to_owned())
-        } else if scraped.failures.is_empty() {
-            None
-        } else {
-            // A router that could not be read holds part of the traffic: not evidence.
-            Some(scraped.failures.join("; "))
-        };
         MetricsReading {
             canary_release: canary.to_owned(),
             canary: windows(canary),
             stable: windows(stable),
             error,
-        }
-    }
-
-    async fn scrape(
-        &self,
-        key: &str,
-        canary: &str,
-        stable: &str,
-        (short, long): (Duration, Duration),
-        targets: &[Target],
-    ) -> MetricsReading {
-        let scraped = self.scraper.scrape(targets).await;
-        let t = self.epoch.elapsed().as_secs_f64();
-        let Ok(mut entries) = self.entries.lock() else {
-            return MetricsReading {
-                canary_release: canary.to_owned(),
-                error: Some("sample store poisoned".to_owned()),
-                ..MetricsReading::default()
-            };
-        };
-        let entry = entries.entry(key.to_owned()).or_insert_with(|| Entry {
-            store: SampleStore::new(t),
-            last: None,
-        });
-        for (target, counters) in scraped.counters {
-            entry
-                .store
-                .record(t, &target.uid, &target.release, counters);
-        }
-        entry.store.prune(t, long.as_secs_f64());
-        let windows = |release: &str| {
-            entry.store.has(release).then(|| ReleaseWindows {
-                short: entry.store.window(release, t, short.as_secs_f64()),
-                long: entry.store.window(release, t, long.as_secs_f64()),
-            })
-        };
-        MetricsReading {
-            canary_release: canary.to_owned(),
-            canary: windows(canary),
-            stable: windows(stable),
-            // Any unreadable canary pod makes the reading incomplete: not evidence.
-            error: scraped
-                .failures
-                .iter()
-                .any(|(target, _)| target.release == canary)
-                .then(|| {
-                    scraped
-                        .failures
-                        .iter()
-                        .map(|(_, why)| why.as_str())
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                }),
         }
     }
 }
