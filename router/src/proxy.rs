@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -702,7 +702,3 @@ where
         }
     })
 }
-
-/// How long the router waits for an engine's answer headers: a stuck engine is as
-/// good as a refused connection, and its request is retried elsewhere.
-pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
