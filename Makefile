@@ -6,7 +6,7 @@ export SLIPWAY_CACHE
 export CARGO_TARGET_DIR ?= $(SLIPWAY_CACHE)/target
 CARGO ?= cargo
 
-.PHONY: help generate lint test test-unit
+.PHONY: help generate lint test test-unit prune-cache
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | sort
@@ -18,6 +18,9 @@ lint: ## rustfmt check, clippy with -D warnings, CRD drift check
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) run --quiet -p slipway-api --bin crdgen -- --check
+
+prune-cache: ## drop stale test binaries and incremental state from the build cache (CI does this when it is large)
+	scripts/prune-build-cache --force
 
 test-unit: ## unit, property and engine tests of the default workspace members
 	$(CARGO) test --locked
