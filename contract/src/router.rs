@@ -260,6 +260,11 @@ pub struct LoadReport {
     pub waiting: usize,
     /// KV blocks held by running requests (prefix-cached blocks nobody holds are free).
     pub kv_blocks_used: usize,
+    /// KV blocks the running requests' attention reads each decode step, counted per
+    /// request: a prefix shared by n running requests counts n times. This is the
+    /// decode load (every running request costs a forward pass per step, over its
+    /// whole context), where `kv_blocks_used` is the memory held.
+    pub context_blocks: usize,
     /// KV blocks in the pool.
     pub kv_blocks_total: usize,
     /// Token positions per KV block.

@@ -395,6 +395,7 @@ fn load_report_is_json_both_ways() {
         running: 3,
         waiting: 1,
         kv_blocks_used: 40,
+        context_blocks: 64,
         kv_blocks_total: 2048,
         kv_block_size: 16,
         draining: false,

@@ -13,9 +13,17 @@
 //! ```
 //!
 //! with the overlap credited from the router's [`crate::prefix`] index and the decode
-//! blocks the engine's last load report (`kv_blocks_used`) plus the blocks of requests
+//! blocks the engine's last load report (`context_blocks`) plus the blocks of requests
 //! the router sent since that report was taken (`pending_blocks`), so a burst does not
-//! land on one endpoint before its next report. Lowest cost first; ties go to fewer
+//! land on one endpoint before its next report.
+//!
+//! Decode blocks are counted per request, a shared prefix once for every request that
+//! holds it: each running request costs a forward pass per step and attends over its
+//! whole context, whether or not its blocks are shared. (Counting the pool's distinct
+//! blocks instead makes requests that share one prefix look almost free, so one
+//! replica takes all of a hot prefix's traffic.) The router's own corrections — blocks
+//! sent since the report, blocks finished since — are per request too, so the units
+//! agree. Lowest cost first; ties go to fewer
 //! requests in flight, then rotate with the caller's round-robin counter so equal
 //! endpoints share the load.
 //!
@@ -68,8 +76,9 @@ impl Params {
 pub struct LoadView {
     /// Requests waiting in the engine's queue.
     pub waiting: usize,
-    /// KV blocks held by running requests: the decode load.
-    pub kv_blocks_used: usize,
+    /// KV blocks in the running requests' contexts, a shared prefix once per request
+    /// (the engine's `context_blocks`): the decode load.
+    pub context_blocks: usize,
     /// Blocks of requests the router sent since this report was taken (not in it yet).
     pub pending_blocks: usize,
     /// Uncached prompt blocks of the router's requests here still waiting for their
@@ -162,7 +171,7 @@ pub fn cost(load: &LoadView, overlap_blocks: usize, prompt_blocks: usize, scale:
     let uncached = prompt_blocks
         .saturating_sub(overlap_blocks)
         .saturating_add(load.prefill_backlog_blocks);
-    let decode = load.kv_blocks_used.saturating_add(load.pending_blocks);
+    let decode = load.context_blocks.saturating_add(load.pending_blocks);
     // usize → f64 loses precision only past 2^53 blocks, far beyond any KV pool.
     scale * uncached as f64 + decode as f64
 }
@@ -345,7 +354,7 @@ mod tests {
             backoff_until: None,
             load: Some(LoadView {
                 waiting: 0,
-                kv_blocks_used: 0,
+                context_blocks: 0,
                 pending_blocks: 0,
                 prefill_backlog_blocks: 0,
                 taken_at: now,
@@ -355,10 +364,10 @@ mod tests {
         }
     }
 
-    fn loaded(now: Instant, kv_blocks_used: usize, overlap_blocks: usize) -> Candidate {
+    fn loaded(now: Instant, context_blocks: usize, overlap_blocks: usize) -> Candidate {
         let mut c = idle(now);
         if let Some(load) = &mut c.load {
-            load.kv_blocks_used = kv_blocks_used;
+            load.context_blocks = context_blocks;
         }
         c.overlap_blocks = overlap_blocks;
         c
@@ -370,7 +379,7 @@ mod tests {
             name: &'static str,
             prompt_blocks: usize,
             scale: f64,
-            /// (kv_blocks_used, pending_blocks, overlap_blocks, in_flight) per candidate.
+            /// (context_blocks, pending_blocks, overlap_blocks, in_flight) per candidate.
             candidates: &'static [(usize, usize, usize, u32)],
             round_robin: u64,
             expect: &'static [usize],

@@ -77,7 +77,7 @@ impl Endpoint {
             // without this, an engine that just finished a long prompt looks loaded
             // until its next report, and the next request sharing that prompt goes
             // to the engine without its prefix.
-            kv_blocks_used: report.kv_blocks_used.saturating_sub(
+            context_blocks: report.context_blocks.saturating_sub(
                 self.finished_since_report
                     .iter()
                     .filter(|(finished, _)| finished > taken_at)
@@ -435,6 +435,7 @@ mod tests {
             running: 0,
             waiting: 0,
             kv_blocks_used: used,
+            context_blocks: used,
             kv_blocks_total: 100,
             kv_block_size: 16,
             draining,

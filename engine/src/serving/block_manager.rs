@@ -274,6 +274,13 @@ impl BlockManager {
         self.config.num_blocks - self.free
     }
 
+    /// Blocks in every sequence's table, summed: a block shared by n sequences counts n
+    /// times. The blocks attention reads per decode step, unlike [`Self::num_used`].
+    #[must_use]
+    pub fn context_blocks(&self) -> usize {
+        self.seqs.values().map(|s| s.blocks.len()).sum()
+    }
+
     /// Fraction of blocks referenced by a sequence (0..=1).
     #[must_use]
     pub fn usage(&self) -> f64 {

@@ -67,6 +67,9 @@ fn prefix_hit_reuses_full_written_blocks_and_counts_tokens() {
         first[2],
         "the partial block is private"
     );
+    // Memory holds the shared blocks once; attention reads them once per sequence.
+    assert_eq!(m.num_used(), 4);
+    assert_eq!(m.context_blocks(), 6);
     m.record_query(prompt.len(), 0);
     m.record_query(prompt.len(), hit.tokens);
     let stats = m.prefix_stats();

@@ -259,6 +259,8 @@ impl Actor {
         m.kv_usage.set(st.kv_usage);
         m.kv_blocks_used
             .set(i64::try_from(self.s.blocks().num_used()).unwrap_or(i64::MAX));
+        m.context_blocks
+            .set(i64::try_from(self.s.blocks().context_blocks()).unwrap_or(i64::MAX));
         m.prefix_queries
             .inc_by(st.prefix_queries.saturating_sub(self.prefix_seen.0));
         m.prefix_hits

@@ -115,6 +115,9 @@ pub struct ServingMetrics {
     /// KV blocks in use: not exported (it is `kv_usage` × the pool), read by the load
     /// report (`GET /load`).
     pub kv_blocks_used: Gauge,
+    /// KV blocks in the running requests' contexts, counted per request (a shared
+    /// prefix once per request): not exported, read by the load report.
+    pub context_blocks: Gauge,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: Counter,
     /// Generated tokens.
@@ -160,6 +163,7 @@ impl ServingMetrics {
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
             kv_blocks_used: Gauge::default(),
+            context_blocks: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             prefix_queries: Counter::default(),

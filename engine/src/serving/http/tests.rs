@@ -423,8 +423,13 @@ async fn load_report_shows_requests_in_flight_their_blocks_and_draining() {
     assert_eq!(idle.models, vec![MODEL.to_owned()]);
     assert_eq!((idle.kv_blocks_total, idle.kv_block_size), (128, 16));
     assert_eq!(
-        (idle.running, idle.kv_blocks_used, idle.draining),
-        (0, 0, false)
+        (
+            idle.running,
+            idle.kv_blocks_used,
+            idle.context_blocks,
+            idle.draining
+        ),
+        (0, 0, 0, false)
     );
 
     // A stream held open after its first chunk is running and holds blocks.
@@ -452,6 +457,8 @@ async fn load_report_shows_requests_in_flight_their_blocks_and_draining() {
     }
     assert_eq!(busy.running, 1, "{busy:?}");
     assert!(busy.kv_blocks_used >= 1, "{busy:?}");
+    // One request alone: its context is exactly the blocks it holds.
+    assert_eq!(busy.context_blocks, busy.kv_blocks_used, "{busy:?}");
     drop(body);
 
     state.ready.store(false, Ordering::Relaxed);
