@@ -206,7 +206,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             let state = Arc::clone(&state);
             let timeout = args.shutdown_timeout;
             async move {
-                wait_for_drain().await;
+                slipway_telemetry::stop_signal().await;
                 state.ready.store(false, Ordering::Relaxed);
                 tracing::info!(?timeout, "draining: admitting nothing new");
                 // Admitted = holding an admission permit, released when its response
@@ -238,26 +238,6 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn wait_for_drain() {
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot watch SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = term => tracing::info!("SIGTERM"),
-        r = tokio::signal::ctrl_c() => if r.is_ok() { tracing::info!("Ctrl-C") },
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -81,7 +81,7 @@ async fn main() -> anyhow::Result<()> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
-        shutdown_signal().await;
+        slipway_telemetry::stop_signal().await;
         let _ = stop_tx.send(true);
     });
 
@@ -154,24 +154,3 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-}

@@ -92,7 +92,7 @@ pub async fn serve(
     let signal = {
         let app = Arc::clone(&app);
         async move {
-            wait_for_signal().await;
+            slipway_telemetry::stop_signal().await;
             app.ready.store(false, Ordering::Relaxed);
             tracing::info!(
                 ?shutdown_timeout,
@@ -130,23 +130,3 @@ pub fn announce(local: SocketAddr) {
     println!("listening on http://{local}");
 }
 
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot watch SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = term => tracing::info!("SIGTERM"),
-        r = tokio::signal::ctrl_c() => if r.is_ok() { tracing::info!("Ctrl-C") },
-    }
-}

@@ -11,6 +11,8 @@
 //!   Without an endpoint no OpenTelemetry layer is installed at all.
 //!
 //! A server joins each request to its caller's W3C trace with [`join_trace`].
+//!
+//! Every binary also stops the same way: [`stop_signal`] resolves on SIGTERM or Ctrl-C.
 
 use std::io::IsTerminal as _;
 use std::time::Duration;
@@ -25,7 +27,10 @@ use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{EnvFilter, Layer as _, filter};
 
+pub use signal::stop_signal;
 pub use slipway_contract::{LogFormat, TelemetryArgs};
+
+mod signal;
 
 /// The target of the spans that are exported as traces: create a request's spans
 /// with `tracing::info_span!(target: TRACE_TARGET, ...)`.
