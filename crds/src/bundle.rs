@@ -137,7 +137,7 @@ release:
   adapters:
     - {uri: /a/beta.gguf, name: beta}
     - {name: alpha, uri: /a/alpha.gguf}
-  model: {format: GGUF, sha256: b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53, uri: /models/smollm2.gguf}
+  model: {sha256: b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53, uri: /models/smollm2.gguf}
 "#;
         assert_eq!(hash(BASE), hash(reordered));
         // A JSON round trip (what the API server stores) changes nothing.

@@ -87,8 +87,11 @@ pub struct InferenceServiceSpec {
     /// How many groups to run, and how they must survive the loss of a fault domain.
     pub capacity: CapacitySpec,
 
-    /// The latency and availability users are promised. The engine counts the requests
-    /// that met these targets; rollouts are judged on them.
+    /// The latency and availability users are promised, as a share of requests: a
+    /// request is good when it succeeds with its TTFT and its TPOT both within their
+    /// thresholds, and `availability` is the share of requests that must be good (one
+    /// objective for all targets, not a percentile per target). The engine counts the
+    /// good requests; rollouts are judged on them.
     #[serde(default)]
     pub slo: SloSpec,
 
@@ -163,29 +166,21 @@ pub struct ReleaseBundle {
 #[serde(rename_all = "camelCase")]
 pub struct ModelSource {
     /// Where the engine loads the model from: a path inside the image or a mounted
-    /// volume (`file:///models/x.gguf` or `/models/x.gguf`), or a URL its init step fetches.
+    /// volume (`file:///models/x.gguf` or `/models/x.gguf`), a file on a
+    /// PersistentVolumeClaim mounted read-only (`pvc://<claim>/<path>`), or an
+    /// `https://` (or `http://`) URL an init container fetches. The file is llama.cpp's
+    /// GGUF (weights, tokenizer and chat template in one file); the engine refuses any
+    /// other format.
     #[schemars(length(min = 1, max = 2048))]
     pub uri: String,
 
-    /// The file format of the weights.
-    #[serde(default)]
-    pub format: ModelFormat,
-
-    /// SHA-256 of the model file, 64 lowercase hex characters. The engine refuses a file
-    /// that does not match.
+    /// SHA-256 of the model file, 64 lowercase hex characters. Whatever the source, the
+    /// engine hashes the file before loading it and refuses one that does not match.
+    /// Required for URL sources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
     #[x_kube(validation = sha256_rule())]
     pub sha256: Option<String>,
-}
-
-/// The file format of a model.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ModelFormat {
-    /// llama.cpp's GGUF: weights, tokenizer and chat template in one file.
-    #[default]
-    #[serde(rename = "GGUF")]
-    Gguf,
 }
 
 /// A separately shipped artifact (tokenizer) and how to verify it.
@@ -516,8 +511,13 @@ fn default_topology_key() -> String {
 // slo
 // ---------------------------------------------------------------------------------------
 
-/// The promise made to users. A request is "good" when it succeeds with TTFT and TPOT
-/// within their thresholds; availability is the share of good requests.
+/// The promise made to users, as a share of requests. A request is "good" when it
+/// succeeds with its TTFT within `ttft.threshold` and its TPOT within `tpot.threshold`,
+/// both at once (the engine counts each request once, in
+/// `slipway_requests_slo_met_total`); the SLI is the share of good requests, and
+/// `availability` is the share it must reach. There is no percentile per target: a
+/// promise of "P99 TTFT ≤ 2s and P99 TPOT ≤ 150ms" is written as those thresholds with
+/// `availability: 0.99`, which is a little stricter (99 % of requests meet both at once).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.availability > 0.0 && self.availability < 1.0").message("slo.availability must be between 0 and 1, exclusive (e.g. 0.999)"))]
@@ -531,15 +531,11 @@ pub struct SloSpec {
     pub tpot: LatencyTarget,
 
     /// The objective: the share of requests that must be good (e.g. 0.999). The error
-    /// budget is 1 − availability.
+    /// budget is 1 − availability. Rollouts are judged by how fast a release burns it
+    /// (`rollout.analysis`); the generated alerts use the burn-rate tiers of a 30-day
+    /// budget period (14.4× over 1 h spends 2 % of it).
     #[serde(default = "default_availability")]
     pub availability: f64,
-
-    /// The period the objective is measured over.
-    #[serde(default = "default_slo_window")]
-    #[schemars(length(max = 32), pattern(crate::duration::PATTERN))]
-    #[x_kube(validation = positive_duration("slo.window"))]
-    pub window: String,
 }
 
 impl Default for SloSpec {
@@ -548,7 +544,6 @@ impl Default for SloSpec {
             ttft: default_ttft(),
             tpot: default_tpot(),
             availability: default_availability(),
-            window: default_slo_window(),
         }
     }
 }
@@ -556,14 +551,12 @@ impl Default for SloSpec {
 fn default_ttft() -> LatencyTarget {
     LatencyTarget {
         threshold: "2s".to_owned(),
-        percentile: 99.0,
     }
 }
 
 fn default_tpot() -> LatencyTarget {
     LatencyTarget {
         threshold: "150ms".to_owned(),
-        percentile: 99.0,
     }
 }
 
@@ -571,27 +564,14 @@ fn default_availability() -> f64 {
     crate::slo::DEFAULT_AVAILABILITY
 }
 
-fn default_slo_window() -> String {
-    "720h".to_owned()
-}
-
-/// A latency threshold and the percentile it applies to.
+/// A latency threshold that every good request meets.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.percentile > 0.0 && self.percentile < 100.0").message("percentile must be between 0 and 100, exclusive"))]
 pub struct LatencyTarget {
     /// The latency a request must not exceed to count as good, e.g. "2s" or "150ms".
     #[schemars(length(max = 32), pattern(crate::duration::PATTERN))]
     #[x_kube(validation = positive_duration("latency threshold"))]
     pub threshold: String,
-
-    /// The percentile reported against the threshold (e.g. 99 for P99).
-    #[serde(default = "default_percentile")]
-    pub percentile: f64,
-}
-
-fn default_percentile() -> f64 {
-    99.0
 }
 
 /// The CEL rule shared by every sha256 field.

@@ -54,7 +54,6 @@ pub fn valid_inference_service(name: &str) -> Value {
             "release": {
                 "model": {
                     "uri": "file:///models/smollm2-135m-instruct-q4_1.gguf",
-                    "format": "GGUF",
                     "sha256": "a".repeat(64),
                 },
                 "tokenizer": { "uri": "file:///models/tokenizer.json", "sha256": "b".repeat(64) },
@@ -74,10 +73,9 @@ pub fn valid_inference_service(name: &str) -> Value {
                 "maxReplicas": 12,
             },
             "slo": {
-                "ttft": { "threshold": "2s", "percentile": 99.0 },
-                "tpot": { "threshold": "150ms", "percentile": 99.0 },
+                "ttft": { "threshold": "2s" },
+                "tpot": { "threshold": "150ms" },
                 "availability": 0.999,
-                "window": "720h",
             },
             "rollout": {
                 "steps": [
