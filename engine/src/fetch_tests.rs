@@ -1,4 +1,5 @@
-//! Unit tests of `fetch`'s pure parts (parsing, backoff, paths, config checks).
+//! Unit tests of `fetch`'s pure parts (parsing, backoff, paths, config checks) and of
+//! `verify_file`, which checks a staged model whatever its source.
 
 use super::*;
 
@@ -110,4 +111,46 @@ fn config_rejects_other_schemes_and_dirs() {
             .validate()
             .is_err()
     );
+}
+
+#[test]
+fn verify_file_hashes_the_whole_file_and_names_a_mismatch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // FIPS 180-2's "abc" vector: the hash the release would name.
+    let abc = dir.path().join("abc");
+    std::fs::write(&abc, b"abc").expect("write");
+    let abc_sha: Sha256Digest = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        .parse()
+        .expect("valid");
+    assert_eq!(verify_file(&abc, &abc_sha).expect("matches"), 3);
+
+    // Longer than one read buffer, so the hash spans several reads; the last byte
+    // differs from the file the release names.
+    let big = dir.path().join("big");
+    let mut bytes = vec![7u8; IO_BUFFER + 5];
+    std::fs::write(&big, &bytes).expect("write");
+    let named = Sha256Digest(Sha256::digest(&bytes).into());
+    assert_eq!(
+        verify_file(&big, &named).expect("matches"),
+        bytes.len() as u64
+    );
+    *bytes.last_mut().expect("not empty") = 8;
+    std::fs::write(&big, &bytes).expect("write");
+    match verify_file(&big, &named) {
+        Err(VerifyError::Mismatch {
+            expected,
+            actual,
+            bytes: hashed,
+            ..
+        }) => {
+            assert_eq!(expected, named);
+            assert_eq!(actual, Sha256Digest(Sha256::digest(&bytes).into()));
+            assert_eq!(hashed, bytes.len() as u64);
+        }
+        other => panic!("a changed byte must fail verification: {other:?}"),
+    }
+    assert!(matches!(
+        verify_file(&dir.path().join("absent"), &named),
+        Err(VerifyError::Io { .. })
+    ));
 }
