@@ -13,7 +13,7 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-
+use slipway_api::spec::DemandUnit;
 use slipway_bench::arrival::{ArrivalProcess, schedule};
 use slipway_bench::client::{Client, ClientConfig};
 use slipway_bench::report;
@@ -235,6 +235,17 @@ struct SweepArgs {
     /// Bisection steps between the last passing and first failing rate.
     #[arg(long, default_value_t = 2)]
     refine: u32,
+    /// The unit capacity.yaml writes `replicaGoodput` in, as the InferenceService's
+    /// `capacity.demandUnit`: `RequestsPerSecond` (SLO-meeting requests/s) or
+    /// `OutputTokensPerSecond` (their generated tokens/s).
+    #[arg(long, default_value = "RequestsPerSecond", value_parser = parse_demand_unit)]
+    demand_unit: DemandUnit,
+}
+
+/// A `capacity.demandUnit` value, spelled as in the InferenceService.
+fn parse_demand_unit(text: &str) -> Result<DemandUnit, String> {
+    serde_json::from_value(serde_json::Value::String(text.to_owned()))
+        .map_err(|_| format!("expected RequestsPerSecond or OutputTokensPerSecond, got {text:?}"))
 }
 
 #[derive(Args, Debug)]
@@ -571,7 +582,7 @@ async fn cmd_sweep(a: SweepArgs) -> anyhow::Result<()> {
         write_json(&c.out.join("sweep.json"), &result)?;
     }
     let files = slipway_bench::plot::plot_sweeps(&[&result], &c.out.join("sweep"))?;
-    let note = report::capacity_note(&result);
+    let note = report::capacity_note(&result, a.demand_unit);
     std::fs::write(c.out.join("capacity.yaml"), &note)
         .with_context(|| format!("writing {}/capacity.yaml", c.out.display()))?;
     print!("{}", report::sweep_table(&result));
@@ -730,4 +741,31 @@ fn cmd_capacity(a: &CapacityArgs) -> anyhow::Result<()> {
         println!("wrote {}", p.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweep_takes_the_demand_unit_as_the_inference_service_spells_it() {
+        let unit = |extra: &[&str]| {
+            let args = ["slipway-bench", "sweep"].iter().chain(extra);
+            match Cli::try_parse_from(args).map(|cli| cli.cmd) {
+                Ok(Cmd::Sweep(a)) => Ok(a.demand_unit),
+                Ok(other) => panic!("parsed as {other:?}"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(unit(&[]), Ok(DemandUnit::RequestsPerSecond));
+        assert_eq!(
+            unit(&["--demand-unit", "OutputTokensPerSecond"]),
+            Ok(DemandUnit::OutputTokensPerSecond)
+        );
+        let wrong = unit(&["--demand-unit", "tokens"]).expect_err("not a demandUnit");
+        assert!(
+            wrong.contains("expected RequestsPerSecond or OutputTokensPerSecond"),
+            "{wrong}"
+        );
+    }
 }

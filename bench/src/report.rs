@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use serde::Serialize;
+use slipway_api::spec::DemandUnit;
 
 use crate::stats::{Latency, Summary};
 use crate::sweep::{SweepPoint, SweepResult};
@@ -181,27 +182,55 @@ pub fn sweep_table(r: &SweepResult) -> String {
     o
 }
 
-/// The capacity note to paste into an `InferenceService`, with what it was measured under.
+/// The capacity note to paste into an `InferenceService`, with what it was measured
+/// under. `replicaGoodput` is in `unit`, SLO-meeting requests/s or their generated
+/// tokens/s at the frontier, and `demandUnit` names it, so the operator compares it with
+/// demand counted the same way; the other unit's value is a comment.
 #[must_use]
-pub fn capacity_note(r: &SweepResult) -> String {
+pub fn capacity_note(r: &SweepResult, unit: DemandUnit) -> String {
     match &r.frontier {
-        Some(f) => format!(
-            "# measured by slipway-bench against {}\n# workload: {}\n# arrivals: {}\n# SLO: {}\n\
-             # frontier {:.3} req/s offered; in tokens: replicaGoodput {:.1} with demandUnit OutputTokensPerSecond\n\
-             capacity:\n  replicaGoodput: {:.3}\n  demandUnit: RequestsPerSecond\n",
-            r.label,
-            r.workload,
-            r.arrivals,
-            r.slo.describe(),
-            f.rate,
-            f.goodput_output_tokens_per_s,
-            f.goodput_rps,
-        ),
+        Some(f) => {
+            let requests = format!("{:.3}", f.goodput_rps);
+            let tokens = format!("{:.1}", f.goodput_output_tokens_per_s);
+            let (goodput, other) = match unit {
+                DemandUnit::RequestsPerSecond => (
+                    requests,
+                    format!(
+                        "in tokens: replicaGoodput {tokens} with demandUnit OutputTokensPerSecond"
+                    ),
+                ),
+                DemandUnit::OutputTokensPerSecond => (
+                    tokens,
+                    format!(
+                        "in requests: replicaGoodput {requests} with demandUnit RequestsPerSecond"
+                    ),
+                ),
+            };
+            format!(
+                "# measured by slipway-bench against {}\n# workload: {}\n# arrivals: {}\n# SLO: {}\n\
+                 # frontier {:.3} req/s offered; {other}\n\
+                 capacity:\n  replicaGoodput: {goodput}\n  demandUnit: {}\n",
+                r.label,
+                r.workload,
+                r.arrivals,
+                r.slo.describe(),
+                f.rate,
+                demand_unit_name(unit),
+            )
+        }
         None => format!(
             "# no capacity.replicaGoodput: {} failed the SLO ({}) at every rate tried\n",
             r.label,
             r.slo.describe()
         ),
+    }
+}
+
+/// `capacity.demandUnit`'s spelling in the InferenceService.
+fn demand_unit_name(unit: DemandUnit) -> &'static str {
+    match unit {
+        DemandUnit::RequestsPerSecond => "RequestsPerSecond",
+        DemandUnit::OutputTokensPerSecond => "OutputTokensPerSecond",
     }
 }
 
@@ -497,15 +526,28 @@ mod tests {
                 (0.8, false, 0.3, None),
             ],
         );
-        let note = capacity_note(&r);
-        let v: serde_yaml::Value = serde_yaml::from_str(&note).unwrap();
-        assert_eq!(v["capacity"]["replicaGoodput"].as_f64(), Some(0.38));
-        assert_eq!(
-            v["capacity"]["demandUnit"].as_str(),
-            Some("RequestsPerSecond")
+        // The fixture's goodput in tokens is 80 per request: 0.38 req/s is 30.4 tokens/s.
+        for (unit, goodput) in [
+            (DemandUnit::RequestsPerSecond, 0.38),
+            (DemandUnit::OutputTokensPerSecond, 30.4),
+        ] {
+            let note = capacity_note(&r, unit);
+            let v: serde_yaml::Value = serde_yaml::from_str(&note).unwrap();
+            assert_eq!(
+                v["capacity"]["replicaGoodput"].as_f64(),
+                Some(goodput),
+                "{note}"
+            );
+            // The unit reads back as the API's own value, so the operator sizes with it.
+            let written: DemandUnit =
+                serde_yaml::from_value(v["capacity"]["demandUnit"].clone()).unwrap();
+            assert_eq!(written, unit, "{note}");
+            assert!(note.contains("# SLO: TTFT P99 ≤ 2000 ms"), "{note}");
+        }
+        let none = capacity_note(
+            &sweep("srv", &[(0.2, false, 0.0, None)]),
+            DemandUnit::RequestsPerSecond,
         );
-        assert!(note.contains("# SLO: TTFT P99 ≤ 2000 ms"), "{note}");
-        let none = capacity_note(&sweep("srv", &[(0.2, false, 0.0, None)]));
         assert!(none.starts_with("# no capacity.replicaGoodput"), "{none}");
     }
 
