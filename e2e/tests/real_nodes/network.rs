@@ -19,10 +19,23 @@ pub async fn node_processes_listen_only_inside_their_namespace(
 ) -> anyhow::Result<()> {
     let admin = env.cluster.client().await?;
     let host = netns(std::process::id())?;
+    // Pods reach the API server at the `kubernetes` Service's ClusterIP, which each node
+    // binds on its own loopback device for its service-proxy (no kube-proxy here).
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+        kube::Api::namespaced(admin.clone(), "default");
+    let kubernetes_ip: IpAddr = services
+        .get("kubernetes")
+        .await
+        .context("reading the kubernetes Service")?
+        .spec
+        .and_then(|spec| spec.cluster_ip)
+        .context("the kubernetes Service has no ClusterIP")?
+        .parse()
+        .context("the kubernetes Service's ClusterIP")?;
     for node in env.cluster.real_nodes(&admin).await? {
         let processes = node.processes()?;
         let names: Vec<&str> = processes.iter().map(|(n, _)| n.as_str()).collect();
-        for want in ["kubelet", "containerd", "apiserver-proxy"] {
+        for want in ["kubelet", "containerd", "apiserver-proxy", "service-proxy"] {
             ensure!(
                 names.contains(&want),
                 "{} runs no {want} (pid files: {names:?})",
@@ -38,10 +51,12 @@ pub async fn node_processes_listen_only_inside_their_namespace(
             for address in listening_addresses(*pid)? {
                 let ip = address.ip();
                 let allowed = ip.is_loopback()
-                    || matches!(ip, IpAddr::V4(v4) if v4.octets()[..2] == [10, 86]);
+                    || matches!(ip, IpAddr::V4(v4) if v4.octets()[..2] == [10, 86])
+                    || (name == "service-proxy" && ip == kubernetes_ip);
                 ensure!(
                     allowed,
-                    "{}'s {name} (pid {pid}) listens on {address}: only its loopback or node IP may be used",
+                    "{}'s {name} (pid {pid}) listens on {address}: only its loopback or node IP may be used \
+                     (and the kubernetes Service's {kubernetes_ip}, by the service-proxy)",
                     node.name()
                 );
             }

@@ -106,11 +106,18 @@ impl Running {
         .await
     }
 
+    /// The InferenceService's engine pods (its router pods carry the same instance
+    /// label, and are no group).
     async fn engine_pods(&self) -> anyhow::Result<Vec<Pod>> {
+        let selector = format!(
+            "{INSTANCE},{}={}",
+            slipway_contract::labels::COMPONENT,
+            slipway_contract::labels::ENGINE_COMPONENT
+        );
         Ok(self
             .ns
             .pods()
-            .list(&ListParams::default().labels(INSTANCE))
+            .list(&ListParams::default().labels(&selector))
             .await?
             .items)
     }
