@@ -238,7 +238,6 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -153,4 +153,3 @@ async fn main() -> anyhow::Result<()> {
     info!("shut down");
     Ok(())
 }
-

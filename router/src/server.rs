@@ -129,4 +129,3 @@ pub async fn serve(
 pub fn announce(local: SocketAddr) {
     println!("listening on http://{local}");
 }
-
