@@ -1,8 +1,11 @@
 //! Reads every endpoint's load report (`GET /load`, [`LoadReport`]) at a short
 //! interval into the live view. A poll that cannot connect marks the endpoint not
 //! ready until one succeeds; one that answers badly leaves the last report to go
-//! stale, and the choice then falls back to least-in-flight.
+//! stale, and the choice then falls back to least-in-flight. A bad answer is logged as
+//! a warning when an endpoint starts answering badly (an engine of another version
+//! whose report does not parse, say), and once when it recovers: not at every poll.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,6 +26,7 @@ pub async fn poll(
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut after_first_round = Some(after_first_round);
+    let mut answering_badly: HashSet<String> = HashSet::new();
     loop {
         ticker.tick().await;
         let urls = live.urls();
@@ -32,14 +36,26 @@ pub async fn poll(
         let polls = urls.iter().map(|url| poll_one(&client, url, interval));
         for (url, result) in urls.iter().zip(join_all(polls).await) {
             match result {
-                Poll::Report(report) => live.record_load(url, Some(report), asked),
+                Poll::Report(report) => {
+                    if answering_badly.remove(url) {
+                        tracing::info!(%url, "load reports readable again");
+                    }
+                    live.record_load(url, Some(report), asked);
+                }
                 Poll::Unreachable(why) => {
                     tracing::debug!(%url, %why, "load poll could not connect");
                     live.record_load(url, None, asked);
                 }
-                Poll::Bad(why) => tracing::debug!(%url, %why, "load poll failed"),
+                Poll::Bad(why) => {
+                    if answering_badly.insert(url.clone()) {
+                        tracing::warn!(%url, %why, "load report unreadable: the cost policy falls back to least-in-flight while it stays so");
+                    } else {
+                        tracing::debug!(%url, %why, "load poll failed");
+                    }
+                }
             }
         }
+        answering_badly.retain(|url| urls.contains(url));
         if let Some(first) = after_first_round.take() {
             first();
         }
