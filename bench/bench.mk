@@ -11,9 +11,10 @@
 #                       plots under ~/.cache/slipway/bench-results/<time>/ (~20-25 min once
 #                       built, 30 min at most; QUICK=1: a ~4 min smoke run)
 #   bench-router        slipway-router's policies (round-robin, least-in-flight, cost) on two
-#                       engines: workloads P (8 tenants' system prompts), U (no sharing), H
-#                       (one hot prefix), P again with a small KV pool, and the router's added
-#                       TTFT; rewrites router/BENCHMARKS.md (~25 min; QUICK=1: ~4 min smoke)
+#                       engines: workloads P (8 tenants' system prompts, small KV pools), U
+#                       (no sharing), H (one hot prefix), P with the default pool, and the
+#                       router's added TTFT; rewrites router/BENCHMARKS.md (~35-40 min;
+#                       QUICK=1: ~4 min smoke)
 #
 # Knobs: see the headers of bench/scripts/bench-serving and bench/scripts/bench-router.
 

@@ -33,8 +33,9 @@ use crate::sweep::{SweepPoint, SweepResult};
 pub const WORKLOADS: [(&str, &str, &str); 4] = [
     (
         "P",
-        "multi-tenant (8 system prompts)",
-        "prefix affinity: a tenant's prompt stays cached where its requests go",
+        "multi-tenant (8 system prompts), a KV pool per engine that barely holds them",
+        "prefix affinity: a tenant's prompt stays cached where its requests go, and each \
+         replica's cache holds its share of the tenants instead of all of them",
     ),
     (
         "U",
@@ -47,22 +48,32 @@ pub const WORKLOADS: [(&str, &str, &str); 4] = [
         "the one cached prefix must not pull every request onto one replica",
     ),
     (
-        "P-small-pool",
-        "multi-tenant, a small KV pool per engine",
-        "P when one replica's cache barely holds every tenant's prompt next to the requests \
-         running (many tenants per replica): where prefix affinity should pay most",
+        "P-large-pool",
+        "multi-tenant, the engines' default KV pool",
+        "P when every replica can cache every tenant's prompt: round-robin then misses each \
+         prompt once per replica and hits it after, so affinity has little left to win",
     ),
 ];
 
 /// Ratios reported for reference, without a target: `(workload, ours, peer)`.
-pub const REFERENCE_RATIOS: [(&str, &str, &str); 3] = [
+pub const REFERENCE_RATIOS: [(&str, &str, &str); 6] = [
     ("P", "least-in-flight", "round-robin"),
     ("P", "cost", "least-in-flight"),
-    ("P-small-pool", "cost", "round-robin"),
+    ("P", "cost-scale-1", "round-robin"),
+    ("P", "cost-scale-8", "round-robin"),
+    ("H", "cost-scale-8", "round-robin"),
+    ("P-large-pool", "cost", "round-robin"),
 ];
 
-/// The policies, in report order (the router's `--policy` values).
-pub const POLICIES: [&str; 3] = ["round-robin", "least-in-flight", "cost"];
+/// The policies, in report order: the router's `--policy` values, then the cost policy
+/// at other `--prefill-load-scale` values than the default (`cost-scale-N`).
+pub const POLICIES: [&str; 5] = [
+    "round-robin",
+    "least-in-flight",
+    "cost",
+    "cost-scale-1",
+    "cost-scale-8",
+];
 
 /// A ratio the issue sets a target for: `ours / peer` goodput frontier on `workload`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -546,13 +557,15 @@ fn prediction_table(o: &mut String, w: &WorkloadRuns) {
     let _ = writeln!(
         o,
         "The router's prefix index against the engines (`{family}`, whole sweep, warm-up included; \
-         matched = within one KV block of what the engine reported):\n"
+         matched = within one KV block of what the engine reported; decided by the policy = \
+         choices the policy made itself, the rest fell back to least-in-flight on a stale load \
+         view):\n"
     );
     let _ = writeln!(
         o,
-        "| policy | matched | over | under | matched share | predicted cached tokens | engine-reported cached tokens | engine prefix hits / queries (engine /metrics) |"
+        "| policy | matched | over | under | matched share | predicted cached tokens | engine-reported cached tokens | engine prefix hits / queries (engine /metrics) | decided by the policy |"
     );
-    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in with_metrics {
         let m = r.router_metrics.as_deref().unwrap_or_default();
         let count =
@@ -562,14 +575,20 @@ fn prediction_table(o: &mut String, w: &WorkloadRuns) {
         let tokens = |name: &str| {
             metric_sum(m, &format!("{name}_total"), &[]).map_or("-".into(), |v| format!("{v:.0}"))
         };
+        let decisions = format!("{}_total", names::DECISIONS);
+        let by_policy = metric_sum(m, &decisions, &[(names::POLICY_LABEL, r.policy.as_str())]);
+        let all_decisions = metric_sum(m, &decisions, &[]);
         let _ = writeln!(
             o,
-            "| {} | {matched:.0} | {over:.0} | {under:.0} | {} | {} | {} | {} |",
+            "| {} | {matched:.0} | {over:.0} | {under:.0} | {} | {} | {} | {} | {} |",
             r.policy,
             pct((total > 0.0).then(|| matched / total)),
             tokens(names::PREDICTED_CACHED_TOKENS),
             tokens(names::CACHED_TOKENS),
             pct(engine_hit_rate(r)),
+            pct(by_policy
+                .zip(all_decisions)
+                .and_then(|(a, b)| (b > 0.0).then(|| a / b))),
         );
     }
     let _ = writeln!(o);
@@ -773,7 +792,9 @@ slipway_router_prefix_predictions_total{release=\"stable\",result=\"over\"} 3\n\
 slipway_router_prefix_predictions_total{release=\"canary\",result=\"matched\"} 2\n\
 slipway_router_prefix_predictions_total_extra{result=\"matched\"} 1000\n\
 slipway_router_predicted_cached_tokens_total{release=\"stable\"} 12800\n\
-slipway_router_cached_tokens_total{release=\"stable\"} 12000\n";
+slipway_router_cached_tokens_total{release=\"stable\"} 12000\n\
+slipway_router_decisions_total{release=\"stable\",policy=\"cost\"} 36\n\
+slipway_router_decisions_total{release=\"stable\",policy=\"least-in-flight\"} 4\n";
 
     #[test]
     fn metric_sum_adds_matching_samples_only() {
@@ -904,9 +925,10 @@ slipway_router_cached_tokens_total{release=\"stable\"} 12000\n";
         assert!(md.contains("**no**"), "{md}");
         assert!(md.contains("| H | cost / round-robin | > 1.00× |"), "{md}");
         assert!(md.contains("![Workload P"), "{md}");
-        // Prediction table: 42 matched of 45 in the sample; engines split 30 / 12.
+        // Prediction table: 42 matched of 45 in the sample; engines split 30 / 12; the
+        // cost policy decided 36 of 40 choices itself (4 fell back).
         assert!(
-            md.contains("| cost | 42 | 3 | 0 | 93.3 % | 12800 | 12000 | 70.0 % |"),
+            md.contains("| cost | 42 | 3 | 0 | 93.3 % | 12800 | 12000 | 70.0 % | 90.0 % |"),
             "{md}"
         );
         assert!(md.contains("| 30 / 12 |"), "{md}");

@@ -110,8 +110,13 @@ pub struct RouterArgs {
     #[arg(long, value_enum, default_value_t = RoutePolicy::Cost)]
     pub policy: RoutePolicy,
     /// Weight of one uncached prompt block against one decode block in use (Dynamo's
-    /// `prefill_load_scale`).
-    #[arg(long, value_name = "SCALE", default_value_t = 1.0, value_parser = parse_non_negative)]
+    /// `prefill_load_scale`). The default, 4, is the best of 1, 4 and 8 measured with
+    /// `make bench-router` on the CPU engine (router/BENCHMARKS.md): at 1 a tenant's
+    /// requests left the replica holding its prefix at the first imbalance and paid a
+    /// cold prefill each time; at 8 a hot prefix stayed on one replica too long. At 4
+    /// a request leaves its prefix only for a replica running about four fewer
+    /// requests of the same length.
+    #[arg(long, value_name = "SCALE", default_value_t = 4.0, value_parser = parse_non_negative)]
     pub prefill_load_scale: f64,
     /// An endpoint with this many requests waiting in its queue is saturated and gets
     /// nothing new until it drains below.
