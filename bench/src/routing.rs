@@ -544,6 +544,15 @@ fn workload_section(o: &mut String, w: &WorkloadRuns) {
     prediction_table(o, w);
 }
 
+/// The router's `--policy` behind a run's policy label: `cost-scale-N` is the cost policy.
+fn router_policy(label: &str) -> &str {
+    if label.starts_with("cost-scale-") {
+        "cost"
+    } else {
+        label
+    }
+}
+
 fn prediction_table(o: &mut String, w: &WorkloadRuns) {
     let with_metrics: Vec<&PolicyRun> = w
         .runs
@@ -576,7 +585,11 @@ fn prediction_table(o: &mut String, w: &WorkloadRuns) {
             metric_sum(m, &format!("{name}_total"), &[]).map_or("-".into(), |v| format!("{v:.0}"))
         };
         let decisions = format!("{}_total", names::DECISIONS);
-        let by_policy = metric_sum(m, &decisions, &[(names::POLICY_LABEL, r.policy.as_str())]);
+        let by_policy = metric_sum(
+            m,
+            &decisions,
+            &[(names::POLICY_LABEL, router_policy(&r.policy))],
+        );
         let all_decisions = metric_sum(m, &decisions, &[]);
         let _ = writeln!(
             o,
@@ -932,6 +945,8 @@ slipway_router_decisions_total{release=\"stable\",policy=\"least-in-flight\"} 4\
             "{md}"
         );
         assert!(md.contains("| 30 / 12 |"), "{md}");
+        assert_eq!(router_policy("cost-scale-8"), "cost");
+        assert_eq!(router_policy("least-in-flight"), "least-in-flight");
         assert!(md.contains("at equal load 0.2 req/s"), "{md}");
         assert!(md.contains("Machine: 2 cores"), "{md}");
         assert!(md.contains("**busy**"), "{md}");
