@@ -33,13 +33,13 @@ use slipway_operator::rollout::source::eligible_outcomes;
 pub const GROUP: &str = "slipway-slo";
 /// The recorded objective per release.
 pub const OBJECTIVE: &str = "slipway:slo_objective:ratio";
-/// Where the alerts link: the generated dashboard (see [`crate::dashboard::UID`]),
-/// relative to the Grafana the team runs.
+/// The generated dashboard's uid. It lives here, beside the links that use it, so
+/// the dashboard (which reads the rules' names) and the rules do not import each other.
+pub const DASHBOARD_UID: &str = "slipway";
+/// Where the alerts link: the generated dashboard, relative to the Grafana the team
+/// runs.
 fn dashboard_link(release: &str) -> String {
-    format!(
-        "/d/{}/slipway?var-{RELEASE_LABEL}={release}",
-        crate::dashboard::UID
-    )
+    format!("/d/{DASHBOARD_UID}/slipway?var-{RELEASE_LABEL}={release}")
 }
 
 /// A Prometheus rule file.
