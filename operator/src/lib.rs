@@ -12,6 +12,8 @@
 //! - [`router`]: the router in front of the engines (Deployment, its read-only RBAC,
 //!   PDB, the client Service, an optional Gateway API HTTPRoute).
 //! - [`plan`](mod@plan): objects, scale-in, group restarts, status and events.
+//! - [`types`]: the plain types `plan` and the renderers share (a leaf).
+//! - [`model`]: where the engine finds the model, and what stages it there.
 //! - [`conditions`]: condition merging and transition detection.
 //! - [`observed`]: the plain-data view of the cluster `plan` reads.
 //! - [`nodes`]: node changes (readiness, labels, taints, deletion) that reconcile everything.
@@ -27,6 +29,7 @@ pub mod groups;
 pub mod labels;
 pub mod leader;
 pub mod metrics;
+pub mod model;
 pub mod nodes;
 pub mod observed;
 pub mod placement;
@@ -36,6 +39,7 @@ pub mod reconcile;
 pub mod rollout;
 pub mod router;
 pub mod scaling;
+pub mod types;
 
 pub use error::Error;
 pub use observed::Observed;

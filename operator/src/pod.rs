@@ -45,80 +45,19 @@ use slipway_contract::{
 
 use crate::groups::PodShape;
 use crate::labels;
-use crate::plan::Context;
+use crate::model::{MODEL_DIR, ModelStaging};
+use crate::types::Context;
 
 /// Kubelet copies the tail of a failed container's log into its termination message
 /// when the container wrote none, so the engine's `Error: ...` line reaches the
 /// pod's status, where [`crate::observed`] reads it.
 pub(crate) const TERMINATION_MESSAGE_POLICY: &str = "FallbackToLogsOnError";
-/// Where the model volume is mounted in the engine container.
-const MODEL_DIR: &str = "/models";
 /// UID/GID of the distroless "nonroot" user; any non-zero id satisfies the policy.
 const NON_ROOT_ID: i64 = 65532;
 /// Startup probe: 180 × 10 s = 30 min to stage and load a model before the kubelet
 /// gives up (the pod then fails and its group is recreated with backoff).
 const STARTUP_PERIOD_SECONDS: i32 = 10;
 const STARTUP_FAILURE_THRESHOLD: i32 = 180;
-
-/// Where the engine finds the model, and what stages it there.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelStaging {
-    /// A path inside the image (or a volume the user mounts by other means).
-    Path(String),
-    /// `pvc://<claim>/<path>`: the claim is mounted read-only.
-    Claim { claim: String, path: String },
-    /// `https://…`: an init container fetches and verifies it into an emptyDir.
-    Fetch {
-        url: String,
-        sha256: slipway_contract::Sha256Digest,
-    },
-}
-
-impl ModelStaging {
-    /// Reads a model URI.
-    ///
-    /// # Errors
-    /// A sentence for the `Ready=False` condition when the URI has no usable form.
-    pub fn parse(uri: &str, sha256: Option<&str>) -> Result<Self, String> {
-        if let Some(rest) = uri.strip_prefix("pvc://") {
-            return match rest.split_once('/') {
-                Some((claim, path)) if !claim.is_empty() && !path.is_empty() => Ok(Self::Claim {
-                    claim: claim.to_owned(),
-                    path: path.to_owned(),
-                }),
-                _ => Err(format!("model uri {uri:?}: expected pvc://<claim>/<path>")),
-            };
-        }
-        if uri.starts_with("https://") || uri.starts_with("http://") {
-            let sha256 = sha256.ok_or_else(|| {
-                format!("model uri {uri:?} is fetched over the network, so release.model.sha256 is required to verify it")
-            })?;
-            return Ok(Self::Fetch {
-                url: uri.to_owned(),
-                sha256: sha256
-                    .parse()
-                    .map_err(|e| format!("release.model.sha256: {e}"))?,
-            });
-        }
-        let path = uri.strip_prefix("file://").unwrap_or(uri);
-        if path.starts_with('/') {
-            Ok(Self::Path(path.to_owned()))
-        } else {
-            Err(format!(
-                "model uri {uri:?}: expected an absolute path, file://, pvc:// or https://"
-            ))
-        }
-    }
-
-    /// The path the engine opens.
-    pub fn engine_path(&self) -> String {
-        match self {
-            Self::Path(path) => path.clone(),
-            Self::Claim { path, .. } => format!("{MODEL_DIR}/{path}"),
-            Self::Fetch { .. } => format!("{MODEL_DIR}/model.gguf"),
-        }
-    }
-}
 
 /// The pod for `shape` in `group`, and the hash that identifies its content.
 pub fn render(ctx: &Context<'_>, group: u32, shape: &PodShape) -> (Pod, String) {

@@ -38,9 +38,10 @@ use crate::error::Error;
 use crate::labels;
 use crate::metrics::{Metrics, ServiceGauges};
 use crate::observed::{self, LabelledKind, Observed};
-use crate::plan::{self, Child, ChildKind, EventType as PlannedType, Plan};
+use crate::plan::{self, Plan};
 use crate::rollout;
 use crate::router;
+use crate::types::{Child, ChildKind, EventType as PlannedType};
 
 /// Resync period: look again even when nothing changed, in case a watch missed it.
 pub const RESYNC: Duration = Duration::from_secs(300);

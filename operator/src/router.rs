@@ -49,11 +49,11 @@ use slipway_contract::{LogArgs, LogFormat, RouterArgs, TelemetryArgs, paths};
 
 use crate::conditions::Computed;
 use crate::labels;
-use crate::plan::{Child, Context};
 use crate::pod::{
     TERMINATION_MESSAGE_POLICY, container_security_context, first_line, pod_security_context,
     pre_stop,
 };
+use crate::types::{Child, Context};
 
 /// The router image when the operator is given none (`--router-image`): named as the
 /// operator's and the engine's images are in `manifests/`.

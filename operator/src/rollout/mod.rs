@@ -42,7 +42,7 @@ use slipway_api::duration;
 use slipway_api::spec::{InconclusivePolicy, RolloutSpec};
 use slipway_api::status::{CanaryStatus, HoldGate, RollbackRecord, RolloutHold};
 
-use crate::plan::{EventType, PlannedEvent};
+use crate::types::{EventType, PlannedEvent};
 use analysis::{MetricsReading, Thresholds, Verdict, judge};
 
 /// The reason of the event a rollback emits (the operator counts rollbacks by it).
