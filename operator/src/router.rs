@@ -139,13 +139,7 @@ fn meta(ctx: &Context<'_>, name: String) -> ObjectMeta {
         labels::COMPONENT.to_owned(),
         labels::ROUTER_COMPONENT.to_owned(),
     );
-    ObjectMeta {
-        name: Some(name),
-        namespace: Some(ctx.namespace.to_owned()),
-        labels: Some(object_labels),
-        owner_references: Some(vec![ctx.owner.clone()]),
-        ..ObjectMeta::default()
-    }
+    ctx.child_meta(name, object_labels)
 }
 
 fn service_account(ctx: &Context<'_>) -> ServiceAccount {
@@ -337,13 +331,10 @@ fn pdb(ctx: &Context<'_>) -> PodDisruptionBudget {
 /// The client Service: port 80 to the router pods' `http` port.
 pub fn client_service(ctx: &Context<'_>) -> Service {
     Service {
-        metadata: ObjectMeta {
-            name: Some(labels::client_service(ctx.name)),
-            namespace: Some(ctx.namespace.to_owned()),
-            labels: Some(labels::instance_selector(ctx.name)),
-            owner_references: Some(vec![ctx.owner.clone()]),
-            ..ObjectMeta::default()
-        },
+        metadata: ctx.child_meta(
+            labels::client_service(ctx.name),
+            labels::instance_selector(ctx.name),
+        ),
         spec: Some(ServiceSpec {
             selector: Some(labels::router_selector(ctx.name)),
             ports: Some(vec![ServicePort {
