@@ -23,9 +23,10 @@
 //! blocks instead makes requests that share one prefix look almost free, so one
 //! replica takes all of a hot prefix's traffic.) The router's own corrections — blocks
 //! sent since the report, blocks finished since — are per request too, so the units
-//! agree. Lowest cost first; ties go to fewer
-//! requests in flight, then rotate with the caller's round-robin counter so equal
-//! endpoints share the load.
+//! agree.
+//!
+//! Lowest cost first; ties go to fewer requests in flight, then rotate with the caller's
+//! round-robin counter so equal endpoints share the load.
 //!
 //! Two rules the formula and the fallback carry:
 //! - **Hot spots.** With one prefix shared by all traffic, every endpoint that holds it

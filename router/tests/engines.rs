@@ -499,6 +499,14 @@ async fn prefix_heavy_requests_land_where_the_router_predicted_their_cached_toke
     eprintln!("served by: {served_by:?}");
     eprintln!("repeats (topic, round, predicted, cached, verdict): {repeats:?}");
 
+    // The cost policy made the choices: an engine whose load report the router cannot
+    // read (another build of the contract, say) leaves the view stale, and every choice
+    // then falls back to least-in-flight, which can keep prompts in place by luck alone.
+    let requests = (ROUNDS * topics.len()) as f64;
+    assert!(
+        fell_back < requests / 2.0,
+        "{fell_back} of {requests} choices fell back to least-in-flight on a stale load view"
+    );
     // Each system prompt stays where its cache is.
     for (topic, engines) in &served_by {
         assert!(
