@@ -263,12 +263,10 @@ pub struct LoadReport {
     pub running: usize,
     /// Requests waiting in the queue.
     pub waiting: usize,
-    /// KV blocks held by running requests (prefix-cached blocks nobody holds are free).
-    pub kv_blocks_used: usize,
     /// KV blocks the running requests' attention reads each decode step, counted per
     /// request: a prefix shared by n running requests counts n times. This is the
     /// decode load (every running request costs a forward pass per step, over its
-    /// whole context), where `kv_blocks_used` is the memory held.
+    /// whole context); the memory held is the engine's exported KV usage.
     pub context_blocks: usize,
     /// KV blocks in the pool.
     pub kv_blocks_total: usize,

@@ -434,7 +434,6 @@ mod tests {
             models: vec!["m".into()],
             running: 0,
             waiting: 0,
-            kv_blocks_used: used,
             context_blocks: used,
             kv_blocks_total: 100,
             kv_block_size: 16,

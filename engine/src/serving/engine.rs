@@ -257,8 +257,6 @@ impl Actor {
         m.running.set(st.running as i64);
         m.waiting.set(st.waiting as i64);
         m.kv_usage.set(st.kv_usage);
-        m.kv_blocks_used
-            .set(i64::try_from(self.s.blocks().num_used()).unwrap_or(i64::MAX));
         m.context_blocks
             .set(i64::try_from(self.s.blocks().context_blocks()).unwrap_or(i64::MAX));
         m.prefix_queries

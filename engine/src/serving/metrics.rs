@@ -112,9 +112,6 @@ pub struct ServingMetrics {
     pub waiting: Gauge,
     /// Fraction of KV blocks in use.
     pub kv_usage: Gauge<f64, AtomicU64>,
-    /// KV blocks in use: not exported (it is `kv_usage` × the pool), read by the load
-    /// report (`GET /load`).
-    pub kv_blocks_used: Gauge,
     /// KV blocks in the running requests' contexts, counted per request (a shared
     /// prefix once per request): not exported, read by the load report.
     pub context_blocks: Gauge,
@@ -162,7 +159,6 @@ impl ServingMetrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
-            kv_blocks_used: Gauge::default(),
             context_blocks: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),

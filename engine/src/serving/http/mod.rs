@@ -315,7 +315,6 @@ async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
         models: vec![state.config.model_name.clone()],
         running: usize::try_from(m.running.get()).unwrap_or(0),
         waiting: usize::try_from(m.waiting.get()).unwrap_or(0),
-        kv_blocks_used: usize::try_from(m.kv_blocks_used.get()).unwrap_or(0),
         context_blocks: usize::try_from(m.context_blocks.get()).unwrap_or(0),
         kv_blocks_total: state.config.kv_blocks,
         kv_block_size: state.config.kv_block_size,
