@@ -21,6 +21,7 @@
 
 pub mod fetch;
 pub mod labels;
+pub mod lora;
 pub mod metrics;
 pub mod router;
 pub mod serve;
@@ -28,6 +29,7 @@ pub mod telemetry;
 pub mod units;
 
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
+pub use lora::{LoraAdapter, LoraModule, NamedSha256};
 pub use router::{LoadReport, RoutePolicy, RouterArgs};
 #[cfg(feature = "fault-injection")]
 pub use serve::FaultArgs;

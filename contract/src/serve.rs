@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::{Args, FromArgMatches as _, ValueEnum};
 
 use crate::fetch::Sha256Digest;
+use crate::lora::{LoraAdapter, LoraArgsError, LoraModule, NamedSha256};
 use crate::telemetry::TelemetryArgs;
 #[cfg(feature = "fault-injection")]
 use crate::units::parse_fraction;
@@ -81,6 +82,26 @@ pub struct ServeArgs {
     /// loading it and exits with code 3 and the reason when it does not match.
     #[arg(long, value_name = "HEX")]
     pub model_sha256: Option<Sha256Digest>,
+    /// A Hugging Face `tokenizer.json` used instead of the vocabulary inside the GGUF.
+    /// Its vocabulary must fit the model's embedding, or the engine refuses to start.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// SHA-256 of --tokenizer (64 hex digits), verified before it is loaded.
+    #[arg(long, value_name = "HEX", requires = "tokenizer")]
+    pub tokenizer_sha256: Option<Sha256Digest>,
+    /// A Jinja chat template used instead of the GGUF's `tokenizer.chat_template`
+    /// (the template's text, not a path). One that cannot render a two-message
+    /// conversation is refused at start-up with the renderer's error.
+    #[arg(long, value_name = "TEMPLATE")]
+    pub chat_template: Option<String>,
+    /// A LoRA adapter (llama.cpp's adapter GGUF) served next to the base model as
+    /// the model name NAME; repeat for more. Requests pick one with `model`.
+    #[arg(long = "lora", value_name = "NAME=PATH")]
+    pub lora: Vec<LoraModule>,
+    /// SHA-256 of an adapter given with --lora, verified before it is loaded; repeat
+    /// per adapter.
+    #[arg(long = "lora-sha256", value_name = "NAME=HEX")]
+    pub lora_sha256: Vec<NamedSha256>,
     /// Address to listen on. The loopback default suits a laptop; in a pod the
     /// operator passes 0.0.0.0 so the kubelet's probes and the Services reach it.
     #[arg(long, default_value = "127.0.0.1")]
@@ -223,6 +244,14 @@ impl ServeArgs {
         Self::from_arg_matches(&matches)
     }
 
+    /// The adapters of `--lora` joined with their `--lora-sha256` digests.
+    ///
+    /// # Errors
+    /// An adapter named twice, or a digest for no adapter or twice for one.
+    pub fn lora_adapters(&self) -> Result<Vec<LoraAdapter>, LoraArgsError> {
+        crate::lora::lora_adapters(&self.lora, &self.lora_sha256)
+    }
+
     /// The flags that reproduce `self` when parsed (without the subcommand name).
     /// Options that are unset stay out; test-only faults appear only when on.
     #[must_use]
@@ -232,6 +261,11 @@ impl ServeArgs {
         let Self {
             model,
             model_sha256,
+            tokenizer,
+            tokenizer_sha256,
+            chat_template,
+            lora,
+            lora_sha256,
             host,
             port,
             served_model_name,
@@ -265,6 +299,21 @@ impl ServeArgs {
         flag("model", model.display().to_string());
         if let Some(sha) = model_sha256 {
             flag("model-sha256", sha.to_string());
+        }
+        if let Some(path) = tokenizer {
+            flag("tokenizer", path.display().to_string());
+        }
+        if let Some(sha) = tokenizer_sha256 {
+            flag("tokenizer-sha256", sha.to_string());
+        }
+        if let Some(template) = chat_template {
+            flag("chat-template", template.clone());
+        }
+        for module in lora {
+            flag("lora", module.to_string());
+        }
+        for digest in lora_sha256 {
+            flag("lora-sha256", digest.to_string());
         }
         flag("host", host.to_string());
         flag("port", port.to_string());

@@ -63,7 +63,20 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
         ],
         proptest::option::of(0usize..16),
     );
-    (identity, limits, memory, telemetry_args()).prop_map(
+    let bundle = (
+        proptest::option::of((
+            "/[a-z]{1,8}/[a-z0-9.]{1,12}",
+            proptest::option::of(digest()),
+        )),
+        // Templates are free text: quotes, newlines, leading dashes, '='.
+        proptest::option::of("-?[ -~\n]{0,40}"),
+        proptest::collection::btree_map(
+            "[a-z][a-z0-9.-]{0,6}[a-z0-9]",
+            ("/[a-z=]{1,12}", proptest::option::of(digest())),
+            0..4,
+        ),
+    );
+    (identity, limits, memory, bundle, telemetry_args()).prop_map(
         |(
             (model, model_sha256, ip, port, served_model_name, release, kv_namespace),
             (
@@ -86,10 +99,30 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
                 device,
                 gpu,
             ),
+            (tokenizer, chat_template, adapters),
             telemetry,
         )| ServeArgs {
             model: PathBuf::from(model),
             model_sha256,
+            tokenizer_sha256: tokenizer.as_ref().and_then(|(_, sha)| *sha),
+            tokenizer: tokenizer.map(|(path, _)| PathBuf::from(path)),
+            chat_template,
+            lora: adapters
+                .iter()
+                .map(|(name, (path, _))| LoraModule {
+                    name: name.clone(),
+                    path: PathBuf::from(path),
+                })
+                .collect(),
+            lora_sha256: adapters
+                .iter()
+                .filter_map(|(name, (_, sha))| {
+                    sha.map(|sha256| NamedSha256 {
+                        name: name.clone(),
+                        sha256,
+                    })
+                })
+                .collect(),
             host: IpAddr::from(ip),
             port,
             served_model_name,
