@@ -1,4 +1,4 @@
-//! `/metrics` (Prometheus text format) and `/healthz` for the operator.
+//! `/metrics` (OpenMetrics text) and `/healthz` for the operator.
 //!
 //! Low cardinality by construction:
 //! - reconciles, reconcile errors by [`crate::Error::category`] (a fixed set of words),
@@ -12,26 +12,37 @@
 //!
 //! Only the leader reports services: a replica that loses the Lease drops them, so a
 //! sum over replicas counts each service once. A service not reconciled for
-//! [`SERVICE_TTL`] (deleted: without a finalizer, no reconcile sees it go) is dropped. A scrape through a Prometheus job whose
-//! target labels include `namespace` (a ServiceMonitor) needs `honorLabels: true` to
-//! keep the service's namespace.
+//! [`SERVICE_TTL`] (deleted: without a finalizer, no reconcile sees it go) is dropped.
+//! A scrape through a Prometheus job whose target labels include `namespace` (a
+//! ServiceMonitor) needs `honorLabels: true` to keep the service's namespace. Label values are Kubernetes names, release hashes and
+//! fixed words, none of which can hold a quote, a backslash or a newline, so the
+//! encoder writing them unescaped is safe.
 //!
 //! The names are the constants below; the dashboard generator reads them, never a copy.
-//! Written by hand: a dozen series do not justify another dependency.
+//! The families are prometheus-client's, as in the engine and the router, served as
+//! the OpenMetrics text it renders (counters as `<name>_total`); the state kept beside
+//! them is only what the families cannot know: when each service was last reconciled
+//! and which releases its objective series carry.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
 use axum::routing::get;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use slipway_api::InferenceServiceStatus;
-use slipway_contract::metrics::{RELEASE_LABEL, counter_total};
+use slipway_contract::metrics::RELEASE_LABEL;
 
 /// Counter family: reconciles run.
 pub const RECONCILES: &str = "slipway_operator_reconciles";
@@ -59,6 +70,11 @@ pub const SLO_OBJECTIVE: &str = "slipway_operator_slo_objective";
 pub const NAMESPACE_LABEL: &str = "namespace";
 /// Label of the per-service series: the InferenceService's name.
 pub const INFERENCESERVICE_LABEL: &str = "inferenceservice";
+/// Label of the reconcile errors: [`crate::Error::category`].
+pub const CATEGORY_LABEL: &str = "category";
+
+/// The `Content-Type` of `/metrics`: the OpenMetrics text prometheus-client writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// A service's series are dropped when it has not been reconciled for this long:
 /// three of the controller's resyncs ([`crate::reconcile::RESYNC`]).
@@ -102,28 +118,34 @@ impl ServiceGauges {
     }
 }
 
-/// Reads one gauge's value from a service's gauges.
-type GaugeOf = fn(&ServiceGauges) -> i32;
+/// Label values of one series, in the order they are written.
+type Labels = Vec<(&'static str, String)>;
 
-/// One service's series.
-#[derive(Debug, Clone, Default)]
+/// What the families cannot tell about one service: when it was last reconciled (for
+/// [`SERVICE_TTL`]) and the releases its objective series carry (a release it no
+/// longer runs loses its series).
+#[derive(Debug, Clone)]
 struct Service {
-    gauges: ServiceGauges,
-    rollbacks: u64,
-    seen: Option<Instant>,
+    releases: Vec<String>,
+    seen: Instant,
 }
 
-/// The operator's counters.
-#[derive(Debug, Default)]
+/// The operator's metric families.
+#[derive(Debug)]
 pub struct Metrics {
-    reconciles: AtomicU64,
-    /// Per bucket (cumulative at render time), then +Inf.
-    buckets: [AtomicU64; BUCKETS.len() + 1],
-    /// Sum of durations in microseconds.
-    duration_sum_micros: AtomicU64,
-    errors: Mutex<BTreeMap<&'static str, u64>>,
-    leader: AtomicBool,
-    /// Keyed by (namespace, name).
+    registry: Registry,
+    reconciles: Counter,
+    errors: Family<Labels, Counter>,
+    duration: Histogram,
+    leader: Gauge,
+    desired: Family<Labels, Gauge>,
+    ready: Family<Labels, Gauge>,
+    serving: Family<Labels, Gauge>,
+    canary_weight: Family<Labels, Gauge>,
+    rollbacks: Family<Labels, Counter>,
+    objective: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Keyed by (namespace, name). Held while a service's series change, so a
+    /// reconcile and an expiry never interleave on one service.
     services: Mutex<BTreeMap<(String, String), Service>>,
 }
 
@@ -133,22 +155,98 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+fn service_labels(namespace: &str, name: &str) -> Labels {
+    vec![
+        (NAMESPACE_LABEL, namespace.to_owned()),
+        (INFERENCESERVICE_LABEL, name.to_owned()),
+    ]
+}
+
+fn release_labels(namespace: &str, name: &str, release: &str) -> Labels {
+    let mut labels = service_labels(namespace, name);
+    labels.push((RELEASE_LABEL, release.to_owned()));
+    labels
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Metrics {
+    /// Registers every family (counter names without `_total`: the encoder adds it).
+    #[must_use]
+    pub fn new() -> Self {
+        let mut m = Self {
+            registry: Registry::default(),
+            reconciles: Counter::default(),
+            errors: Family::default(),
+            duration: Histogram::new(BUCKETS),
+            leader: Gauge::default(),
+            desired: Family::default(),
+            ready: Family::default(),
+            serving: Family::default(),
+            canary_weight: Family::default(),
+            rollbacks: Family::default(),
+            objective: Family::default(),
+            services: Mutex::new(BTreeMap::new()),
+        };
+        // prometheus-client ends each help text with a full stop.
+        let r = &mut m.registry;
+        r.register(RECONCILES, "Reconciles run", m.reconciles.clone());
+        r.register(
+            RECONCILE_ERRORS,
+            "Failed reconciles by category",
+            m.errors.clone(),
+        );
+        r.register(RECONCILE_DURATION, "Time per reconcile", m.duration.clone());
+        r.register(
+            LEADER,
+            "1 while this replica holds the leader Lease",
+            m.leader.clone(),
+        );
+        r.register(
+            GROUPS_DESIRED,
+            "Groups the operator wants running (status.replicas.desired)",
+            m.desired.clone(),
+        );
+        r.register(
+            GROUPS_READY,
+            "Groups whose every pod is Ready (status.replicas.ready)",
+            m.ready.clone(),
+        );
+        r.register(
+            GROUPS_SERVING,
+            "Ready groups receiving traffic (status.replicas.serving)",
+            m.serving.clone(),
+        );
+        r.register(
+            CANARY_WEIGHT,
+            "Percent of groups running the canary release; 0 without a rollout",
+            m.canary_weight.clone(),
+        );
+        r.register(
+            ROLLBACKS,
+            "Automatic rollbacks of a canary release",
+            m.rollbacks.clone(),
+        );
+        r.register(
+            SLO_OBJECTIVE,
+            "slo.availability of the service, per release it runs (stable and canary)",
+            m.objective.clone(),
+        );
+        m
+    }
+
     /// Records one reconcile.
     pub fn observe_reconcile(&self, took: Duration, error: Option<&'static str>) {
-        self.reconciles.fetch_add(1, Ordering::Relaxed);
-        let seconds = took.as_secs_f64();
-        let bucket = BUCKETS
-            .iter()
-            .position(|&b| seconds <= b)
-            .unwrap_or(BUCKETS.len());
-        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.duration_sum_micros.fetch_add(
-            u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        self.reconciles.inc();
+        self.duration.observe(took.as_secs_f64());
         if let Some(category) = error {
-            *lock(&self.errors).entry(category).or_default() += 1;
+            self.errors
+                .get_or_create(&vec![(CATEGORY_LABEL, category.to_owned())])
+                .inc();
         }
     }
 
@@ -174,185 +272,108 @@ impl Metrics {
         now: Instant,
     ) {
         let mut services = lock(&self.services);
-        let service = services
-            .entry((namespace.to_owned(), name.to_owned()))
-            .or_default();
-        service.gauges = gauges;
-        service.rollbacks += rollbacks;
-        service.seen = Some(now);
+        let labels = service_labels(namespace, name);
+        for (family, value) in [
+            (&self.desired, gauges.desired),
+            (&self.ready, gauges.ready),
+            (&self.serving, gauges.serving),
+            (&self.canary_weight, gauges.canary_weight),
+        ] {
+            family.get_or_create(&labels).set(i64::from(value));
+        }
+        self.rollbacks.get_or_create(&labels).inc_by(rollbacks);
+        let key = (namespace.to_owned(), name.to_owned());
+        if let Some(previous) = services.get(&key) {
+            for gone in previous
+                .releases
+                .iter()
+                .filter(|r| !gauges.releases.contains(r))
+            {
+                self.objective
+                    .remove(&release_labels(namespace, name, gone));
+            }
+        }
+        for release in &gauges.releases {
+            self.objective
+                .get_or_create(&release_labels(namespace, name, release))
+                .set(gauges.objective);
+        }
+        services.insert(
+            key,
+            Service {
+                releases: gauges.releases,
+                seen: now,
+            },
+        );
+    }
+
+    /// Removes every series of one service; the caller holds the services lock.
+    fn remove_series(&self, (namespace, name): &(String, String), service: &Service) {
+        let labels = service_labels(namespace, name);
+        for family in [
+            &self.desired,
+            &self.ready,
+            &self.serving,
+            &self.canary_weight,
+        ] {
+            family.remove(&labels);
+        }
+        self.rollbacks.remove(&labels);
+        for release in &service.releases {
+            self.objective
+                .remove(&release_labels(namespace, name, release));
+        }
     }
 
     /// Drops the services not reconciled within [`SERVICE_TTL`] before `now`.
     fn expire(&self, now: Instant) {
-        lock(&self.services).retain(|_, s| {
-            s.seen
-                .is_some_and(|seen| now.saturating_duration_since(seen) < SERVICE_TTL)
+        lock(&self.services).retain(|key, service| {
+            let live = now.saturating_duration_since(service.seen) < SERVICE_TTL;
+            if !live {
+                self.remove_series(key, service);
+            }
+            live
         });
     }
 
     /// Drops a deleted service's series.
     pub fn forget_service(&self, namespace: &str, name: &str) {
-        lock(&self.services).remove(&(namespace.to_owned(), name.to_owned()));
+        let mut services = lock(&self.services);
+        let key = (namespace.to_owned(), name.to_owned());
+        if let Some(service) = services.remove(&key) {
+            self.remove_series(&key, &service);
+        }
     }
 
     /// Whether this replica currently leads. A replica that stops leading drops the
     /// services' series: the new leader reports them.
     pub fn set_leader(&self, leader: bool) {
-        self.leader.store(leader, Ordering::Relaxed);
+        self.leader.set(i64::from(leader));
         if !leader {
-            lock(&self.services).clear();
+            let mut services = lock(&self.services);
+            for family in [
+                &self.desired,
+                &self.ready,
+                &self.serving,
+                &self.canary_weight,
+            ] {
+                family.clear();
+            }
+            self.rollbacks.clear();
+            self.objective.clear();
+            services.clear();
         }
     }
 
-    /// The Prometheus text exposition.
+    /// The OpenMetrics text exposition ([`CONTENT_TYPE`]), after dropping the
+    /// services past their TTL.
     pub fn render(&self) -> String {
+        self.expire(Instant::now());
         let mut out = String::new();
-        let reconciles = counter_total(RECONCILES);
-        header(&mut out, &reconciles, "Reconciles run.", "counter");
-        let _ = writeln!(
-            out,
-            "{reconciles} {}",
-            self.reconciles.load(Ordering::Relaxed)
-        );
-        let errors = counter_total(RECONCILE_ERRORS);
-        header(
-            &mut out,
-            &errors,
-            "Failed reconciles by category.",
-            "counter",
-        );
-        for (category, count) in lock(&self.errors).iter() {
-            let _ = writeln!(out, "{errors}{{category=\"{category}\"}} {count}");
-        }
-        header(
-            &mut out,
-            RECONCILE_DURATION,
-            "Time per reconcile.",
-            "histogram",
-        );
-        let mut cumulative = 0;
-        for (i, bound) in BUCKETS.iter().enumerate() {
-            cumulative += self.buckets[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "{RECONCILE_DURATION}_bucket{{le=\"{bound}\"}} {cumulative}"
-            );
-        }
-        cumulative += self.buckets[BUCKETS.len()].load(Ordering::Relaxed);
-        let _ = writeln!(
-            out,
-            "{RECONCILE_DURATION}_bucket{{le=\"+Inf\"}} {cumulative}"
-        );
-        let sum = self.duration_sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{RECONCILE_DURATION}_sum {sum}");
-        let _ = writeln!(out, "{RECONCILE_DURATION}_count {cumulative}");
-        header(
-            &mut out,
-            LEADER,
-            "1 while this replica holds the leader Lease.",
-            "gauge",
-        );
-        let _ = writeln!(
-            out,
-            "{LEADER} {}",
-            u8::from(self.leader.load(Ordering::Relaxed))
-        );
-        self.render_services(&mut out);
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
         out
     }
-
-    fn render_services(&self, out: &mut String) {
-        self.expire(Instant::now());
-        let services = lock(&self.services);
-        let gauges: [(&str, &str, GaugeOf); 4] = [
-            (
-                GROUPS_DESIRED,
-                "Groups the operator wants running (status.replicas.desired).",
-                |g| g.desired,
-            ),
-            (
-                GROUPS_READY,
-                "Groups whose every pod is Ready (status.replicas.ready).",
-                |g| g.ready,
-            ),
-            (
-                GROUPS_SERVING,
-                "Ready groups receiving traffic (status.replicas.serving).",
-                |g| g.serving,
-            ),
-            (
-                CANARY_WEIGHT,
-                "Percent of groups running the canary release; 0 without a rollout.",
-                |g| g.canary_weight,
-            ),
-        ];
-        for (name, help, value) in gauges {
-            header(out, name, help, "gauge");
-            for ((namespace, isvc), service) in services.iter() {
-                let _ = writeln!(
-                    out,
-                    "{name}{} {}",
-                    labels(&[(NAMESPACE_LABEL, namespace), (INFERENCESERVICE_LABEL, isvc)]),
-                    value(&service.gauges)
-                );
-            }
-        }
-        let rollbacks = counter_total(ROLLBACKS);
-        header(
-            out,
-            &rollbacks,
-            "Automatic rollbacks of a canary release.",
-            "counter",
-        );
-        for ((namespace, isvc), service) in services.iter() {
-            let _ = writeln!(
-                out,
-                "{rollbacks}{} {}",
-                labels(&[(NAMESPACE_LABEL, namespace), (INFERENCESERVICE_LABEL, isvc)]),
-                service.rollbacks
-            );
-        }
-        header(
-            out,
-            SLO_OBJECTIVE,
-            "slo.availability of the service, per release it runs (stable and canary).",
-            "gauge",
-        );
-        for ((namespace, isvc), service) in services.iter() {
-            for release in &service.gauges.releases {
-                let _ = writeln!(
-                    out,
-                    "{SLO_OBJECTIVE}{} {}",
-                    labels(&[
-                        (NAMESPACE_LABEL, namespace),
-                        (INFERENCESERVICE_LABEL, isvc),
-                        (RELEASE_LABEL, release),
-                    ]),
-                    service.gauges.objective
-                );
-            }
-        }
-    }
-}
-
-fn header(out: &mut String, name: &str, help: &str, kind: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-/// `{a="b",...}` with values escaped as the text format requires.
-fn labels(pairs: &[(&str, &str)]) -> String {
-    let body: Vec<String> = pairs
-        .iter()
-        .map(|(key, value)| {
-            let value = value
-                .replace('\\', "\\\\")
-                .replace('"', "\\\"")
-                .replace('\n', "\\n");
-            format!("{key}=\"{value}\"")
-        })
-        .collect();
-    format!("{{{}}}", body.join(","))
 }
 
 /// The HTTP routes: `/metrics` and `/healthz` (the process is up and serving).
@@ -360,7 +381,9 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route(
             "/metrics",
-            get(|State(metrics): State<Arc<Metrics>>| async move { metrics.render() }),
+            get(|State(metrics): State<Arc<Metrics>>| async move {
+                ([(header::CONTENT_TYPE, CONTENT_TYPE)], metrics.render()).into_response()
+            }),
         )
         .route("/healthz", get(|| async { (StatusCode::OK, "ok") }))
         .with_state(metrics)
@@ -482,10 +505,38 @@ mod tests {
         metrics.expire(t0 + SERVICE_TTL);
         let keys: Vec<_> = lock(&metrics.services).keys().cloned().collect();
         assert_eq!(keys, [("ns".to_owned(), "new".to_owned())]);
+        let mut text = String::new();
+        encode(&mut text, &metrics.registry).expect("encodes");
+        assert!(!text.contains(r#"inferenceservice="old""#), "{text}");
+        assert!(text.contains(r#"inferenceservice="new""#), "{text}");
     }
 
     #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(labels(&[("a", "x\"y\\z\n")]), r#"{a="x\"y\\z\n"}"#);
+    fn a_release_no_longer_run_loses_its_objective_series() {
+        let metrics = Metrics::default();
+        metrics.observe_service("ns", "smol", gauges(), 0);
+        let promoted = ServiceGauges {
+            canary_weight: 0,
+            releases: vec!["canary5678".to_owned()],
+            ..gauges()
+        };
+        metrics.observe_service("ns", "smol", promoted, 0);
+        let text = metrics.render();
+        assert!(!text.contains(r#"release="stable1234""#), "{text}");
+        assert!(text.contains(r#"release="canary5678"} 0.99"#), "{text}");
+    }
+
+    #[test]
+    fn the_exposition_is_openmetrics() {
+        let text = Metrics::default().render();
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(
+            text.contains("# TYPE slipway_operator_reconcile_duration_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE slipway_operator_reconciles counter"),
+            "{text}"
+        );
     }
 }
