@@ -39,13 +39,13 @@ use slipway_api::drain::DrainBudget;
 use slipway_api::duration;
 use slipway_api::spec::{Device, InferenceServiceSpec};
 use slipway_contract::{
-    DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, LogArgs, LogFormat, ServeArgs,
-    TelemetryArgs, paths,
+    DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, LogArgs, LogFormat, LoraModule,
+    NamedSha256, ServeArgs, TelemetryArgs, paths,
 };
 
 use crate::groups::PodShape;
 use crate::labels;
-use crate::model::{MODEL_DIR, ModelStaging};
+use crate::model::{BundleStaging, Source};
 use crate::types::Context;
 
 /// Kubelet copies the tail of a failed container's log into its termination message
@@ -107,41 +107,49 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
         ..VolumeMount::default()
     }];
     let mut init_containers = Vec::new();
-    match &ctx.model {
-        ModelStaging::Path(_) => {}
-        ModelStaging::Claim { claim, .. } => {
-            volumes.push(Volume {
-                name: "model".to_owned(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: claim.clone(),
-                    read_only: Some(true),
-                }),
-                ..Volume::default()
-            });
-            mounts.push(model_mount(true));
-        }
-        ModelStaging::Fetch { url, sha256 } => {
-            volumes.push(Volume {
-                name: "model".to_owned(),
-                empty_dir: Some(EmptyDirVolumeSource::default()),
-                ..Volume::default()
-            });
-            let fetch = FetchArgs {
-                logs: LogArgs {
-                    log_format: Some(LogFormat::Json),
-                },
-                ..FetchArgs::new(url.clone(), *sha256, ctx.model.engine_path())
-            };
-            init_containers.push(Container {
-                name: "fetch-model".to_owned(),
-                image: Some(spec.release.engine.image.clone()),
-                args: Some(EngineCommand::Fetch(fetch).to_args()),
-                volume_mounts: Some(vec![model_mount(false), mounts[0].clone()]),
-                security_context: Some(container_security_context()),
-                termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.to_owned()),
-                ..Container::default()
-            });
-            mounts.push(model_mount(true));
+    for artifact in ctx.staging.artifacts() {
+        let mount = |read_only: bool| VolumeMount {
+            name: artifact.volume.clone(),
+            mount_path: artifact.dir.clone(),
+            read_only: Some(read_only),
+            ..VolumeMount::default()
+        };
+        match &artifact.source {
+            Source::Path(_) => {}
+            Source::Claim { claim, .. } => {
+                volumes.push(Volume {
+                    name: artifact.volume.clone(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: claim.clone(),
+                        read_only: Some(true),
+                    }),
+                    ..Volume::default()
+                });
+                mounts.push(mount(true));
+            }
+            Source::Fetch { url, sha256 } => {
+                volumes.push(Volume {
+                    name: artifact.volume.clone(),
+                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    ..Volume::default()
+                });
+                let fetch = FetchArgs {
+                    logs: LogArgs {
+                        log_format: Some(LogFormat::Json),
+                    },
+                    ..FetchArgs::new(url.clone(), *sha256, artifact.engine_path())
+                };
+                init_containers.push(Container {
+                    name: format!("fetch-{}", artifact.volume),
+                    image: Some(spec.release.engine.image.clone()),
+                    args: Some(EngineCommand::Fetch(fetch).to_args()),
+                    volume_mounts: Some(vec![mount(false), mounts[0].clone()]),
+                    security_context: Some(container_security_context()),
+                    termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.to_owned()),
+                    ..Container::default()
+                });
+                mounts.push(mount(true));
+            }
         }
     }
 
@@ -267,15 +275,6 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
     }
 }
 
-fn model_mount(read_only: bool) -> VolumeMount {
-    VolumeMount {
-        name: "model".to_owned(),
-        mount_path: MODEL_DIR.to_owned(),
-        read_only: Some(read_only),
-        ..VolumeMount::default()
-    }
-}
-
 /// The preStop hook of a drain budget: a sleep while endpoint removal propagates, so
 /// no new request arrives once the process stops admitting. None when the delay is 0.
 pub(crate) fn pre_stop(drain: &DrainBudget) -> Option<Lifecycle> {
@@ -339,12 +338,13 @@ pub fn serve_args(
     spec: &InferenceServiceSpec,
     release: &str,
     kv_namespace: &str,
-    model: &ModelStaging,
+    staging: &BundleStaging,
     drain: &DrainBudget,
     otlp_endpoint: Option<&str>,
 ) -> Result<ServeArgs, String> {
     let engine = &spec.release.engine;
-    let defaults = ServeArgs::for_model(model.engine_path())
+    let release_bundle = &spec.release;
+    let defaults = ServeArgs::for_model(staging.model.engine_path())
         .map_err(|e| format!("release.model.uri: {}", first_line(&e)))?;
     let decided = ServeArgs {
         model_sha256: spec
@@ -355,6 +355,36 @@ pub fn serve_args(
             .map(str::parse)
             .transpose()
             .map_err(|e| format!("release.model.sha256: {e}"))?,
+        tokenizer: staging.tokenizer.as_ref().map(|t| t.engine_path().into()),
+        tokenizer_sha256: release_bundle
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.sha256.as_deref())
+            .map(str::parse)
+            .transpose()
+            .map_err(|e| format!("release.tokenizer.sha256: {e}"))?,
+        chat_template: release_bundle.chat_template.clone(),
+        lora: staging
+            .adapters
+            .iter()
+            .map(|(name, artifact)| LoraModule {
+                name: name.clone(),
+                path: artifact.engine_path().into(),
+            })
+            .collect(),
+        lora_sha256: release_bundle
+            .adapters
+            .iter()
+            .filter_map(|a| {
+                a.sha256.as_deref().map(|hex| {
+                    hex.parse().map(|sha256| NamedSha256 {
+                        name: a.name.clone(),
+                        sha256,
+                    })
+                })
+            })
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("release.adapters: {e}"))?,
         // All addresses of the pod's own network namespace: the pod IP the kubelet
         // probes and the Services target, and loopback for `kubectl port-forward`.
         // The namespace has no other interface, so this exposes nothing more; binding
@@ -417,7 +447,7 @@ pub fn serve_args(
 /// The flags the operator owns that differ between `decided` and `merged`, each with
 /// the field a user changes instead.
 fn owned_flags(decided: &ServeArgs, merged: &ServeArgs) -> Vec<(&'static str, &'static str)> {
-    let owned: [(&str, &str, bool); 12] = [
+    let owned: [(&str, &str, bool); 17] = [
         (
             "--model",
             "release.model.uri",
@@ -427,6 +457,27 @@ fn owned_flags(decided: &ServeArgs, merged: &ServeArgs) -> Vec<(&'static str, &'
             "--model-sha256",
             "release.model.sha256",
             decided.model_sha256 != merged.model_sha256,
+        ),
+        (
+            "--tokenizer",
+            "release.tokenizer.uri",
+            decided.tokenizer != merged.tokenizer,
+        ),
+        (
+            "--tokenizer-sha256",
+            "release.tokenizer.sha256",
+            decided.tokenizer_sha256 != merged.tokenizer_sha256,
+        ),
+        (
+            "--chat-template",
+            "release.chatTemplate",
+            decided.chat_template != merged.chat_template,
+        ),
+        ("--lora", "release.adapters", decided.lora != merged.lora),
+        (
+            "--lora-sha256",
+            "release.adapters[].sha256",
+            decided.lora_sha256 != merged.lora_sha256,
         ),
         ("--host", "the pod's network", decided.host != merged.host),
         ("--port", "the pod's port", decided.port != merged.port),

@@ -19,7 +19,7 @@ use slipway_api::spec::InferenceServiceSpec;
 use slipway_contract::{RouterArgs, ServeArgs};
 
 use crate::groups::GroupShape;
-use crate::model::ModelStaging;
+use crate::model::BundleStaging;
 use crate::observed::LabelledKind;
 
 /// A child object.
@@ -132,7 +132,8 @@ pub struct Context<'a> {
     pub kv_namespace: String,
     pub shape: GroupShape,
     pub drain: DrainBudget,
-    pub model: ModelStaging,
+    /// Where the engine finds the bundle's files.
+    pub staging: BundleStaging,
     /// The engine container's `serve` arguments (user's extras merged and checked).
     pub serve: ServeArgs,
     /// Where engines export request traces (the operator's `--otlp-endpoint`).

@@ -53,7 +53,7 @@ use slipway_api::status::{InferenceServiceStatus, condition};
 use crate::conditions::{self, Change, Computed};
 use crate::groups::group_shape;
 use crate::labels;
-use crate::model::ModelStaging;
+use crate::model::BundleStaging;
 use crate::observed::Observed;
 use crate::pod::serve_args;
 use crate::router;
@@ -185,10 +185,7 @@ fn read_spec<'a>(
     let shape = group_shape(&isvc.spec.parallelism).map_err(|e| format!("parallelism: {e}"))?;
     let capacity = scaling::decide(sizing).map_err(|e| format!("capacity: {e}"))?;
     let drain = drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|e| format!("slo: {e}"))?);
-    let model = ModelStaging::parse(
-        &isvc.spec.release.model.uri,
-        isvc.spec.release.model.sha256.as_deref(),
-    )?;
+    let staging = BundleStaging::parse(&isvc.spec.release)?;
     let kv_namespace = isvc
         .spec
         .release
@@ -201,7 +198,7 @@ fn read_spec<'a>(
         &isvc.spec,
         hash.short(),
         &kv_namespace,
-        &model,
+        &staging,
         &drain,
         engine_otlp_endpoint,
     )?;
@@ -215,7 +212,7 @@ fn read_spec<'a>(
         kv_namespace,
         shape,
         drain,
-        model,
+        staging,
         serve,
         engine_otlp_endpoint,
         router,

@@ -12,7 +12,7 @@ use slipway_api::drain::{DrainInput, drain_budget};
 use slipway_api::spec::InferenceServiceSpec;
 use slipway_api::status::InferenceServiceStatus;
 
-use crate::model::ModelStaging;
+use crate::model::BundleStaging;
 use crate::observed::Observed;
 use crate::pod::serve_args;
 use crate::rollout;
@@ -89,11 +89,7 @@ pub(super) fn release_context<'a>(
     spec: &'a InferenceServiceSpec,
     release: &'a str,
 ) -> Option<Context<'a>> {
-    let model = ModelStaging::parse(
-        &spec.release.model.uri,
-        spec.release.model.sha256.as_deref(),
-    )
-    .ok()?;
+    let staging = BundleStaging::parse(&spec.release).ok()?;
     let kv_namespace = spec
         .release
         .kv_namespace
@@ -106,7 +102,7 @@ pub(super) fn release_context<'a>(
         spec,
         release,
         &kv_namespace,
-        &model,
+        &staging,
         &drain,
         base.engine_otlp_endpoint,
     )
@@ -116,7 +112,7 @@ pub(super) fn release_context<'a>(
         release,
         kv_namespace,
         drain,
-        model,
+        staging,
         serve,
         ..base.clone()
     })
