@@ -153,6 +153,13 @@ release:
         other.rollout.steps[0].pause = Some("1h".to_owned());
         other.capacity.demand.static_peak = Some(99.0);
         other.drain.pre_stop_delay_seconds = 30;
+        // SLO thresholds, replicas (the capacity inputs) and pod overrides change how
+        // many engines run and where, never what one answers.
+        other.slo.ttft.threshold = "9s".to_owned();
+        other.slo.tpot.threshold = "1s".to_owned();
+        other.slo.availability = 0.5;
+        other.capacity.replica_goodput = 0.25;
+        other.pod_template = Some(serde_yaml::from_str("{nodeSelector: {pool: big}}").unwrap());
         assert_eq!(
             bundle_hash(&spec(BASE).release),
             bundle_hash(&other.release)
@@ -188,6 +195,23 @@ release:
             sha256: None,
         });
         assert_ne!(base, bundle_hash(&with_tokenizer.release));
+        // The files' digests are part of their identity: the same path with other bytes
+        // is another release.
+        let mut other_tokenizer = with_tokenizer.clone();
+        other_tokenizer.release.tokenizer.as_mut().unwrap().sha256 = Some("ab".repeat(32));
+        assert_ne!(
+            bundle_hash(&with_tokenizer.release),
+            bundle_hash(&other_tokenizer.release)
+        );
+        let mut other_template = with_template.clone();
+        other_template.release.chat_template = Some("{{ messages[0] }}".to_owned());
+        assert_ne!(
+            bundle_hash(&with_template.release),
+            bundle_hash(&other_template.release)
+        );
+        let mut adapter_digest = spec(BASE);
+        adapter_digest.release.adapters[0].sha256 = Some("cd".repeat(32));
+        assert_ne!(base, bundle_hash(&adapter_digest.release));
     }
 
     proptest! {

@@ -187,11 +187,14 @@ pub struct ModelSource {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ArtifactSource {
-    /// Where the engine loads it from (path or URL).
+    /// Where the engine loads it from, in the forms of `model.uri`: a path, a file on
+    /// a PersistentVolumeClaim (`pvc://<claim>/<path>`), or an `https://` URL an init
+    /// container fetches (then `sha256` is required).
     #[schemars(length(min = 1, max = 2048))]
     pub uri: String,
 
-    /// SHA-256 of the file, 64 lowercase hex characters.
+    /// SHA-256 of the file, 64 lowercase hex characters. The engine verifies it
+    /// before loading the file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
     #[x_kube(validation = sha256_rule())]
@@ -207,11 +210,14 @@ pub struct Adapter {
     #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')").message("adapter name must be lowercase letters, digits, '-' or '.', starting and ending with a letter or digit"))]
     pub name: String,
 
-    /// Where the engine loads the adapter from (path or URL).
+    /// Where the engine loads the adapter (llama.cpp's LoRA GGUF) from, in the forms
+    /// of `model.uri`: a path, `pvc://<claim>/<path>`, or an `https://` URL an init
+    /// container fetches (then `sha256` is required).
     #[schemars(length(min = 1, max = 2048))]
     pub uri: String,
 
-    /// SHA-256 of the adapter file, 64 lowercase hex characters.
+    /// SHA-256 of the adapter file, 64 lowercase hex characters. The engine verifies
+    /// it before loading the file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
     #[x_kube(validation = sha256_rule())]
