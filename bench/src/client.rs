@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::BenchError;
+use crate::occupancy::{ServerSample, in_system};
 use crate::record::{Outcome, RequestRecord};
 use crate::sse::{SseParser, parse_chunk};
 use crate::workload::{Api, RequestPlan};
@@ -69,6 +70,9 @@ pub struct ClientConfig {
     pub ignore_eos: bool,
 }
 
+/// Longest wait for one scrape of the server's `/metrics`.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// A pooled HTTP/1.1 client.
 #[derive(Debug, Clone)]
 pub struct Client {
@@ -109,6 +113,29 @@ impl Client {
         };
         let url = format!("{}{path}", cfg.base_url.trim_end_matches('/'));
         Ok(Self { http, url, cfg })
+    }
+
+    /// One scrape of the server's `/metrics` for its requests running plus waiting,
+    /// stamped at the middle of the round trip; `None` when the scrape fails or the
+    /// text has none of the gauges ([`in_system`]).
+    pub async fn server_in_system(&self, clock: RunClock) -> Option<ServerSample> {
+        let url = format!(
+            "{}{}",
+            self.cfg.base_url.trim_end_matches('/'),
+            slipway_contract::paths::METRICS
+        );
+        let before = clock.now_s();
+        let mut req = self.http.get(url).timeout(SCRAPE_TIMEOUT);
+        if let Some(k) = &self.cfg.api_key {
+            req = req.bearer_auth(k);
+        }
+        let resp = req.send().await.ok()?.error_for_status().ok()?;
+        let text = resp.text().await.ok()?;
+        let after = clock.now_s();
+        Some(ServerSample {
+            t: (before + after) / 2.0,
+            in_system: in_system(&text)?,
+        })
     }
 
     /// The request body for `plan`.

@@ -6,7 +6,8 @@
 //! - [`arrival`]: open-loop arrival schedules (Poisson, gamma, constant), seeded.
 //! - [`workload`]: the workload spec and the deterministic requests it generates.
 //! - [`trace`]: JSONL trace replay.
-//! - [`record`]: what the client saw of one request; [`stats`]: the accounting.
+//! - [`record`]: what the client saw of one request; [`stats`]: the accounting;
+//!   [`occupancy`]: the server's own count of requests in it, for Little's law.
 //! - [`sse`]: the server-sent-events parser for OpenAI streams.
 //! - [`sweep`]: choosing offered rates and finding the goodput frontier.
 //! - [`report`]: tables and the `capacity.replicaGoodput` note; [`plot`]: SVG/PNG.
@@ -18,6 +19,7 @@
 pub mod arrival;
 pub mod capacity;
 pub mod client;
+pub mod occupancy;
 pub mod plot;
 pub mod record;
 pub mod report;

@@ -442,14 +442,14 @@ async fn measure(
     }
     let summary = summarize(
         &out.records,
-        &out.gauge,
+        &out.server,
         window,
         Some(rate),
         c.slo()?,
         DEFAULT_BUCKETS,
     );
-    if !summary.little.consistent {
-        tracing::error!(check = ?summary.little, "Little's law check failed: the bookkeeping is inconsistent");
+    if summary.little.consistent == Some(false) {
+        tracing::error!(check = ?summary.little, "Little's law check failed: the server's requests in system and the client's λW disagree");
     }
     Ok((out, summary))
 }
@@ -477,7 +477,7 @@ async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
         .await;
         let s = summarize(
             &out.records,
-            &out.gauge,
+            &out.server,
             window,
             None,
             c.slo()?,
@@ -504,7 +504,7 @@ async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
         .await;
         let s = summarize(
             &out.records,
-            &out.gauge,
+            &out.server,
             c.duration,
             None,
             c.slo()?,

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use slipway_api::spec::DemandUnit;
 
-use crate::stats::{Latency, Summary};
+use crate::stats::{LITTLE_TOLERANCE, Latency, LittleCheck, MIN_SERVER_SAMPLES, Summary};
 use crate::sweep::{SweepPoint, SweepResult};
 
 /// A latency percentile for a table: `inf` when infinite, `-` when there were no samples.
@@ -102,20 +102,7 @@ pub fn summary_table(label: &str, s: &Summary) -> String {
             s.prefix_cache.requests
         );
     }
-    let l = &s.little;
-    let _ = writeln!(
-        o,
-        "Little's law: L={:.3} vs λW={:.3}×{:.3}s={:.3} → {}",
-        l.mean_in_flight,
-        l.arrival_rate,
-        l.mean_time_in_system_s,
-        l.predicted,
-        if l.consistent {
-            "consistent"
-        } else {
-            "INCONSISTENT bookkeeping"
-        }
-    );
+    let _ = writeln!(o, "Little's law: {}", little_line(&s.little));
     let verdict = if s.slo_pass {
         "PASS".to_owned()
     } else {
@@ -483,6 +470,34 @@ pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
         }
     }
     o
+}
+
+/// L (the server's gauges) against λW (the client's records), and the verdict.
+fn little_line(l: &LittleCheck) -> String {
+    let predicted = format!(
+        "λW={:.3}/s×{:.3}s={:.3} (client)",
+        l.arrival_rate, l.mean_time_in_system_s, l.predicted
+    );
+    match (l.server_in_system, l.relative_error) {
+        (Some(server), Some(error)) => format!(
+            "L={server:.3} (server running+waiting, {} samples) vs {predicted} → {} ({:.1}% apart, tolerance {:.0}%)",
+            l.server_samples,
+            if error <= LITTLE_TOLERANCE {
+                "consistent"
+            } else {
+                "INCONSISTENT: the server and the client disagree on the requests in flight"
+            },
+            error * 100.0,
+            LITTLE_TOLERANCE * 100.0
+        ),
+        _ if l.server_samples == 0 => {
+            format!("{predicted}; not checked: the server's /metrics has no running/waiting gauges")
+        }
+        _ => format!(
+            "{predicted}; not checked: {} server samples in the run (fewer than {MIN_SERVER_SAMPLES})",
+            l.server_samples
+        ),
+    }
 }
 
 #[cfg(test)]

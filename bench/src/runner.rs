@@ -9,9 +9,9 @@
 //! Closed loop: N sessions, each sending its next request when the previous one ended
 //! plus a think time. Use it for interactive-session questions, never for capacity.
 //!
-//! Every send and every finish is also written to an in-flight gauge, stamped with the
-//! same clock reading as the record, which the Little's-law check compares against.
-//! After the arrival window the run waits up to `drain` for stragglers, then cancels
+//! While a run lasts, the server's own gauges of requests running and waiting are
+//! scraped every [`SAMPLE_INTERVAL`] (the first scrape before the first send), for the
+//! Little's-law check ([`crate::occupancy`]). After the arrival window the run waits up to `drain` for stragglers, then cancels
 //! them (outcome `Cancelled`, "run ended"): nothing is left uncounted.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,8 +26,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::client::{Client, RunClock};
+use crate::occupancy::{SAMPLE_INTERVAL, ServerSample};
 use crate::record::{Outcome, RequestRecord};
-use crate::stats::GaugeEvent;
 use crate::workload::RequestPlan;
 
 /// How long a run lasts and how much it may have outstanding.
@@ -47,8 +47,9 @@ pub struct RunLimits {
 pub struct RunOutput {
     /// One record per offered request, sorted by id.
     pub records: Vec<RequestRecord>,
-    /// In-flight gauge events.
-    pub gauge: Vec<GaugeEvent>,
+    /// The server's requests in system, sampled during the run (empty when it exports
+    /// no such gauges).
+    pub server: Vec<ServerSample>,
     /// Most requests that were in flight at once.
     pub peak_in_flight: usize,
 }
@@ -58,38 +59,84 @@ pub struct RunOutput {
 struct InFlight {
     now: Arc<AtomicUsize>,
     peak: Arc<AtomicUsize>,
-    gauge: Arc<Mutex<Vec<GaugeEvent>>>,
 }
 
 impl InFlight {
-    fn enter(&self, t: f64) {
+    fn enter(&self) {
         let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
         self.peak.fetch_max(n, Ordering::SeqCst);
-        self.event(t, 1);
     }
 
-    fn leave(&self, t: f64) {
+    fn leave(&self) {
         self.now.fetch_sub(1, Ordering::SeqCst);
-        self.event(t, -1);
     }
 
-    fn event(&self, t: f64, delta: i32) {
-        // A poisoned lock only means another task panicked mid-push; the vector of
-        // plain values is still valid, so keep counting.
-        self.gauge
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(GaugeEvent { t, delta });
-    }
-
-    fn finish(self, mut records: Vec<RequestRecord>) -> RunOutput {
+    fn finish(self, mut records: Vec<RequestRecord>, server: Vec<ServerSample>) -> RunOutput {
         records.sort_by_key(|r| r.id);
-        let gauge = std::mem::take(&mut *self.gauge.lock().unwrap_or_else(PoisonError::into_inner));
         RunOutput {
             records,
-            gauge,
+            server,
             peak_in_flight: self.peak.load(Ordering::SeqCst),
         }
+    }
+}
+
+/// Scrapes the server's requests in system every [`SAMPLE_INTERVAL`] until stopped.
+struct Sampler {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<Vec<ServerSample>>>,
+    first: Vec<ServerSample>,
+}
+
+impl Sampler {
+    /// Takes the first sample now (before the run sends anything) and, when the
+    /// server has the gauges, keeps sampling in a task.
+    async fn start(client: &Client, clock: RunClock) -> Self {
+        let (stop, mut stopped) = watch::channel(false);
+        let Some(first) = client.server_in_system(clock).await else {
+            return Self {
+                stop,
+                task: None,
+                first: Vec::new(),
+            };
+        };
+        let client = client.clone();
+        let task = tokio::spawn(async move {
+            let mut samples = Vec::new();
+            let mut ticks = tokio::time::interval(SAMPLE_INTERVAL);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            loop {
+                tokio::select! {
+                    _ = stopped.wait_for(|s| *s) => break,
+                    _ = ticks.tick() => {}
+                }
+                // A scrape that fails holds the last value (the average is a step
+                // function); the run is not the place to give up on the server.
+                if let Some(sample) = client.server_in_system(clock).await {
+                    samples.push(sample);
+                }
+            }
+            samples
+        });
+        Self {
+            stop,
+            task: Some(task),
+            first: vec![first],
+        }
+    }
+
+    /// Stops sampling; every sample, in time order.
+    async fn finish(self) -> Vec<ServerSample> {
+        let _ = self.stop.send(true);
+        let mut samples = self.first;
+        if let Some(task) = self.task {
+            match task.await {
+                Ok(more) => samples.extend(more),
+                Err(error) => tracing::error!(%error, "server sampling task failed"),
+            }
+        }
+        samples
     }
 }
 
@@ -125,7 +172,7 @@ async fn one(
     in_flight: InFlight,
 ) -> RequestRecord {
     client.send(&plan, &mut rec, clock, stop).await;
-    in_flight.leave(rec.done_s.unwrap_or_else(|| clock.now_s()));
+    in_flight.leave();
     rec
 }
 
@@ -137,6 +184,7 @@ pub async fn open_loop(
     progress: Option<&ProgressBar>,
 ) -> RunOutput {
     let clock = RunClock::start();
+    let sampler = Sampler::start(client, clock).await;
     let (stop_tx, stop_rx) = watch::channel(false);
     let in_flight = InFlight::default();
     let mut tasks = JoinSet::new();
@@ -155,9 +203,8 @@ pub async fn open_loop(
             records.push(rec);
             continue;
         }
-        let t = clock.now_s();
-        rec.sent_s = Some(t);
-        in_flight.enter(t);
+        rec.sent_s = Some(clock.now_s());
+        in_flight.enter();
         tasks.spawn(one(
             client.clone(),
             plan,
@@ -177,7 +224,7 @@ pub async fn open_loop(
         &mut records,
     )
     .await;
-    in_flight.finish(records)
+    in_flight.finish(records, sampler.finish().await)
 }
 
 async fn drain(
@@ -232,6 +279,7 @@ pub async fn closed_loop(
     progress: Option<&ProgressBar>,
 ) -> RunOutput {
     let clock = RunClock::start();
+    let sampler = Sampler::start(client, clock).await;
     let (stop_tx, stop_rx) = watch::channel(false);
     let in_flight = InFlight::default();
     let queue = Arc::new(Mutex::new(plans.into_iter()));
@@ -259,7 +307,7 @@ pub async fn closed_loop(
                 // In a closed loop the request "arrives" when its session sends it.
                 let mut rec = RequestRecord::new(&plan, t);
                 rec.sent_s = Some(t);
-                in_flight.enter(t);
+                in_flight.enter();
                 let r = one(
                     client.clone(),
                     plan,
@@ -294,5 +342,5 @@ pub async fn closed_loop(
             }
         }
     }
-    in_flight.finish(records)
+    in_flight.finish(records, sampler.finish().await)
 }

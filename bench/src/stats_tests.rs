@@ -33,16 +33,22 @@ fn with(mut r: RequestRecord, outcome: Outcome) -> RequestRecord {
     r
 }
 
-/// The gauge a correct runner would have produced for these records.
-fn gauge_of(records: &[RequestRecord]) -> Vec<GaugeEvent> {
-    let mut g = Vec::new();
-    for r in records {
-        if let (Some(s), Some(d)) = (r.sent_s, r.done_s) {
-            g.push(GaugeEvent { t: s, delta: 1 });
-            g.push(GaugeEvent { t: d, delta: -1 });
-        }
-    }
-    g
+/// What a server's running + waiting gauges would read every 10 ms for these
+/// records, each request held `extra_s` longer than the client held it.
+fn server_of(records: &[RequestRecord], extra_s: f64) -> Vec<ServerSample> {
+    let end = records.iter().filter_map(|r| r.done_s).fold(0.0, f64::max);
+    (0..=(end * 100.0) as usize)
+        .map(|i| {
+            let t = i as f64 / 100.0;
+            let in_system = records
+                .iter()
+                .filter(|r| {
+                    r.sent_s.is_some_and(|s| s <= t) && r.done_s.is_some_and(|d| t < d + extra_s)
+                })
+                .count() as f64;
+            ServerSample { t, in_system }
+        })
+        .collect()
 }
 
 #[test]
@@ -53,7 +59,7 @@ fn percentiles_of_known_latencies() {
         .collect();
     let s = summarize(
         &recs,
-        &gauge_of(&recs),
+        &server_of(&recs, 0.0),
         10.0,
         Some(10.0),
         Slo::default(),
@@ -80,7 +86,7 @@ fn timeouts_are_infinite_never_finite_latencies() {
     }
     let s = summarize(
         &recs,
-        &gauge_of(&recs),
+        &server_of(&recs, 0.0),
         10.0,
         Some(10.0),
         Slo::default(),
@@ -128,7 +134,7 @@ fn rejections_count_against_success_not_latency() {
     recs.push(capped);
     let s = summarize(
         &recs,
-        &gauge_of(&recs),
+        &server_of(&recs, 0.0),
         1.0,
         Some(10.0),
         Slo::default(),
@@ -163,7 +169,14 @@ fn goodput_counts_only_requests_meeting_every_target() {
         done(2, 0.0, 0.1, 0.2, 5),  // TPOT too slow
         done(3, 0.0, 0.2, 1.0, 1),  // one token: TPOT undefined, TTFT ok
     ];
-    let s = summarize(&recs, &gauge_of(&recs), 2.0, None, slo, DEFAULT_BUCKETS);
+    let s = summarize(
+        &recs,
+        &server_of(&recs, 0.0),
+        2.0,
+        None,
+        slo,
+        DEFAULT_BUCKETS,
+    );
     assert_eq!(s.slo_met, 2);
     assert!((s.goodput_rps - 1.0).abs() < 1e-12);
     assert_eq!(s.tpot.count, 3);
@@ -184,7 +197,7 @@ fn prefix_hit_rate_counts_completed_requests_that_reported_cached_tokens() {
     let recs = [a, b, c, d];
     let s = summarize(
         &recs,
-        &gauge_of(&recs),
+        &server_of(&recs, 0.0),
         1.0,
         None,
         Slo::default(),
@@ -220,34 +233,52 @@ fn buckets_split_by_prompt_length() {
 }
 
 #[test]
-fn littles_law_passes_on_consistent_bookkeeping() {
+fn littles_law_agrees_with_an_honest_servers_gauges() {
     let recs: Vec<_> = (0..50)
         .map(|i| done(i, f64::from(i as u32) * 0.1, 0.3, 0.02, 10))
         .collect();
-    let l = littles_law(&recs, &gauge_of(&recs));
-    assert!(l.consistent, "{l:?}");
-    assert!(l.relative_error < 1e-9);
-    assert!(l.mean_in_flight > 1.0);
+    let l = littles_law(&recs, &server_of(&recs, 0.0));
+    assert_eq!(l.consistent, Some(true), "{l:?}");
+    assert!(l.relative_error.is_some_and(|e| e < 0.01), "{l:?}");
+    assert!(l.server_in_system.is_some_and(|l| l > 1.0), "{l:?}");
 }
 
 #[test]
-fn littles_law_flags_a_lost_record_and_a_wrong_timestamp() {
+fn littles_law_fails_when_the_client_and_the_server_disagree() {
     let recs: Vec<_> = (0..50)
         .map(|i| done(i, f64::from(i as u32) * 0.1, 0.3, 0.02, 10))
         .collect();
-    let gauge = gauge_of(&recs);
-    // A request the gauge saw but whose record went missing.
-    let lost = littles_law(&recs[1..], &gauge);
-    assert!(!lost.consistent, "{lost:?}");
-    // A record whose done time was written wrong (a latency that is not what happened).
-    let mut skewed = recs.clone();
-    skewed[10].done_s = Some(skewed[10].done_s.unwrap_or(0.0) + 2.0);
-    let bad = littles_law(&skewed, &gauge);
-    assert!(!bad.consistent, "{bad:?}");
-    // A gauge that never came back to zero (a leaked in-flight slot).
-    let mut leaked = gauge.clone();
-    leaked.retain(|e| !(e.delta < 0 && (e.t - recs[49].done_s.unwrap_or(0.0)).abs() < 1e-12));
-    assert!(!littles_law(&recs, &leaked).consistent);
+    let server = server_of(&recs, 0.0);
+    // Every record's done time written 0.5 s late: latencies that did not happen.
+    let late: Vec<_> = recs
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            r.done_s = r.done_s.map(|d| d + 0.5);
+            r
+        })
+        .collect();
+    let l = littles_law(&late, &server);
+    assert_eq!(l.consistent, Some(false), "{l:?}");
+    // A server that keeps each request 0.5 s after the client saw it end.
+    let l = littles_law(&recs, &server_of(&recs, 0.5));
+    assert_eq!(l.consistent, Some(false), "{l:?}");
+}
+
+#[test]
+fn littles_law_is_not_checked_without_enough_server_samples() {
+    let recs: Vec<_> = (0..50)
+        .map(|i| done(i, f64::from(i as u32) * 0.1, 0.3, 0.02, 10))
+        .collect();
+    let none = littles_law(&recs, &[]);
+    assert_eq!(
+        (none.consistent, none.server_samples),
+        (None, 0),
+        "{none:?}"
+    );
+    assert!(none.predicted > 1.0, "λW is still reported: {none:?}");
+    let few = littles_law(&recs, &server_of(&recs, 0.0)[..MIN_SERVER_SAMPLES - 1]);
+    assert_eq!(few.consistent, None, "{few:?}");
 }
 
 proptest! {
@@ -259,7 +290,7 @@ proptest! {
             if r.outcome == Outcome::ClientCapped { r.sent_s = None; }
             r
         }).collect();
-        let s = summarize(&recs, &gauge_of(&recs), 1.0, None, Slo::default(), DEFAULT_BUCKETS);
+        let s = summarize(&recs, &server_of(&recs, 0.0), 1.0, None, Slo::default(), DEFAULT_BUCKETS);
         let c = &s.counts;
         prop_assert_eq!(c.completed + c.rejected + c.timed_out + c.cancelled + c.errors + c.client_capped, c.offered);
         prop_assert_eq!(c.offered, recs.len() as u64);

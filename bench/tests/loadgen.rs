@@ -14,7 +14,7 @@ use common::{Behaviour, start};
 use slipway_bench::client::{Client, ClientConfig};
 use slipway_bench::record::Outcome;
 use slipway_bench::runner::{RunLimits, Sessions, closed_loop, open_loop};
-use slipway_bench::stats::{DEFAULT_BUCKETS, Slo, summarize};
+use slipway_bench::stats::{DEFAULT_BUCKETS, MIN_SERVER_SAMPLES, Slo, summarize};
 use slipway_bench::workload::{Api, LengthDist, RequestPlan, WorkloadSpec, generate};
 
 fn client(url: &str, api: Api, timeout: Duration) -> Client {
@@ -91,14 +91,13 @@ async fn ttft_tpot_and_e2e_match_injected_latencies() {
         }
         let s = summarize(
             &out.records,
-            &out.gauge,
+            &out.server,
             1.0,
             None,
             Slo::default(),
             DEFAULT_BUCKETS,
         );
         assert!(s.ttft.p50_ms.unwrap() >= ttft * 1000.0 * 0.999);
-        assert!(s.little.consistent, "{:?}", s.little);
         assert_eq!(s.counts.completed, 4);
     }
 }
@@ -167,7 +166,7 @@ async fn rejections_errors_and_timeouts_are_counted_not_turned_into_latencies() 
     }
     let s = summarize(
         &out.records,
-        &out.gauge,
+        &out.server,
         0.4,
         Some(100.0),
         Slo::default(),
@@ -177,7 +176,9 @@ async fn rejections_errors_and_timeouts_are_counted_not_turned_into_latencies() 
     assert_eq!(s.e2e.infinite as usize, fail.len() + hang.len());
     assert_eq!(s.e2e.p99_ms, None, "P99 falls on an unfinished request");
     assert!(!s.slo_pass);
-    assert!(s.little.consistent, "{:?}", s.little);
+    // Rejected, failed and timed-out requests leave both accounts alike: the server's
+    // gauge of running streams agrees with the client's λW.
+    assert_eq!(s.little.consistent, Some(true), "{:?}", s.little);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,7 +254,7 @@ async fn in_flight_cap_is_reported_never_queued() {
     );
     let s = summarize(
         &out.records,
-        &out.gauge,
+        &out.server,
         1.0,
         Some(19.0),
         Slo::default(),
@@ -297,14 +298,13 @@ async fn deadlines_and_the_end_of_the_run_cancel_requests() {
     );
     let s = summarize(
         &out.records,
-        &out.gauge,
+        &out.server,
         0.1,
         None,
         Slo::default(),
         DEFAULT_BUCKETS,
     );
     assert_eq!((s.counts.cancelled, s.ttft.infinite), (3, 3));
-    assert!(s.little.consistent, "{:?}", s.little);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -337,13 +337,53 @@ async fn closed_loop_sessions_never_exceed_their_concurrency() {
     assert_eq!(out.records.len(), 12, "all plans used, none lost");
     assert!(out.records.iter().all(|r| r.outcome == Outcome::Completed));
     assert!(out.peak_in_flight <= 3);
-    let s = summarize(
-        &out.records,
-        &out.gauge,
-        1.0,
-        None,
-        Slo::default(),
-        DEFAULT_BUCKETS,
-    );
-    assert!(s.little.consistent, "{:?}", s.little);
+}
+
+/// Little's law between independent accounts: the client's λW from its records, L
+/// from the server's own gauge of running streams scraped during the run. An honest
+/// gauge agrees, in an open and in a closed loop; a gauge that counts three requests
+/// the server does not hold fails the check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn littles_law_checks_the_clients_records_against_the_servers_gauge() {
+    for (closed, phantom, consistent) in [(false, 0, true), (false, 3, false), (true, 0, true)] {
+        let url = start(Behaviour {
+            ttft: Duration::from_millis(100),
+            tpot: Duration::from_millis(20),
+            phantom_running: phantom,
+            ..Behaviour::default()
+        })
+        .await;
+        let c = client(&url, Api::Completions, Duration::from_secs(30));
+        let reqs = plans(&spec(10), 30, 0.05);
+        let out = if closed {
+            let sessions = Sessions {
+                count: 3,
+                think_s: 0.0,
+                seed: 1,
+            };
+            closed_loop(&c, reqs, sessions, LIMITS, None).await
+        } else {
+            open_loop(&c, reqs, LIMITS, None).await
+        };
+        let s = summarize(
+            &out.records,
+            &out.server,
+            1.5,
+            None,
+            Slo::default(),
+            DEFAULT_BUCKETS,
+        );
+        let l = &s.little;
+        assert_eq!(s.counts.completed, 30);
+        assert!(l.server_samples >= MIN_SERVER_SAMPLES, "{l:?}");
+        assert!(
+            l.predicted > 2.0,
+            "several requests in flight on average: {l:?}"
+        );
+        assert_eq!(
+            l.consistent,
+            Some(consistent),
+            "closed loop {closed}, phantom {phantom}: {l:?}"
+        );
+    }
 }

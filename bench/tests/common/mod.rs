@@ -17,7 +17,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use futures::stream::{self, StreamExt};
 use serde_json::{Value, json};
 
@@ -38,6 +38,9 @@ pub struct Behaviour {
     pub hang_every: Option<u64>,
     /// Reject with 503 whenever more than this many streams are already running.
     pub max_running: Option<usize>,
+    /// Added to the running count `/metrics` reports: a server whose gauge counts
+    /// requests it does not hold (0: the gauge is honest).
+    pub phantom_running: usize,
 }
 
 #[derive(Clone)]
@@ -143,6 +146,18 @@ async fn handle(state: AppState, body: Value, chat: bool) -> Response {
     Sse::new(events).into_response()
 }
 
+/// The engine's gauges of requests running (the streams being served) and waiting
+/// (none: the fake server queues nothing), as the engine names them.
+async fn metrics(State(s): State<AppState>) -> String {
+    let running = s.running.load(Ordering::SeqCst) + s.b.phantom_running;
+    format!(
+        "# TYPE slipway_num_requests_running gauge\n\
+         slipway_num_requests_running{{model=\"fake\",release=\"test\"}} {running}\n\
+         # TYPE slipway_num_requests_waiting gauge\n\
+         slipway_num_requests_waiting{{model=\"fake\",release=\"test\"}} 0\n"
+    )
+}
+
 /// Starts the fake server on 127.0.0.1 with an ephemeral port; returns its base URL.
 pub async fn start(b: Behaviour) -> String {
     let state = AppState {
@@ -158,6 +173,7 @@ pub async fn start(b: Behaviour) -> String {
             "/v1/chat/completions",
             post(|State(s): State<AppState>, Json(v): Json<Value>| handle(s, v, true)),
         )
+        .route("/metrics", get(metrics))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
