@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
+use crate::backoff::Backoff;
 use crate::telemetry::LogArgs;
 use crate::units::{format_millis, parse_millis};
 
@@ -71,7 +72,8 @@ pub struct FetchArgs {
     /// Retries after the first attempt; each resumes where the last one stopped.
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub retries: u32,
-    /// First backoff delay in ms; it doubles per consecutive failure, up to 30 s.
+    /// First backoff delay in ms; it doubles per consecutive failure, up to 30 s
+    /// ([`FETCH_BACKOFF_MAX`]).
     #[arg(long = "backoff-ms", value_name = "MS", default_value = "1000", value_parser = parse_millis)]
     pub backoff: Duration,
     /// Log line format.
@@ -79,7 +81,17 @@ pub struct FetchArgs {
     pub logs: LogArgs,
 }
 
+/// The longest wait between two attempts of a fetch.
+pub const FETCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
 impl FetchArgs {
+    /// The retry policy of these flags: `--backoff-ms` doubling per failure in a row,
+    /// capped at [`FETCH_BACKOFF_MAX`].
+    #[must_use]
+    pub fn backoff_policy(&self) -> Backoff {
+        Backoff::new(self.backoff, FETCH_BACKOFF_MAX)
+    }
+
     /// The defaults for everything but what to fetch and where.
     #[must_use]
     pub fn new(url: impl Into<String>, sha256: Sha256Digest, dest: impl Into<PathBuf>) -> Self {

@@ -19,6 +19,7 @@
 //! the CRD and is converted by the operator. Sizes take binary or decimal suffixes
 //! ([`units::parse_size`]).
 
+pub mod backoff;
 pub mod fetch;
 pub mod labels;
 pub mod lora;
@@ -28,6 +29,7 @@ pub mod serve;
 pub mod telemetry;
 pub mod units;
 
+pub use backoff::Backoff;
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
 pub use lora::{LoraAdapter, LoraModule, NamedSha256};
 pub use router::{LoadReport, RoutePolicy, RouterArgs};

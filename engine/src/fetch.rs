@@ -21,8 +21,8 @@
 //! Timing: one overall deadline bounds the whole fetch, backoff sleeps included. A
 //! stall timeout bounds every wait on the server (the response head, each body
 //! chunk), so a server that stops sending fails the attempt, which is then retried
-//! from the last byte written. Retries back off exponentially (doubling from
-//! `backoff_initial` up to `backoff_max`); an attempt that moved bytes resets the
+//! from the last byte written. Retries back off exponentially ([`Backoff`]: doubling
+//! from `--backoff-ms` up to 30 s); an attempt that moved bytes resets the
 //! delay, since the link evidently works, but still uses up one retry, so a server
 //! that always cuts the connection cannot keep the fetch going forever.
 //!
@@ -48,6 +48,7 @@ use tracing::{debug, info, warn};
 /// Buffer for reading staged files back through the hasher and for writing chunks.
 const IO_BUFFER: usize = 1 << 20;
 
+pub use slipway_contract::Backoff;
 pub use slipway_contract::fetch::{FetchArgs, InvalidSha256, Sha256Digest};
 
 fn digest_of(hasher: &Sha256) -> Sha256Digest {
@@ -66,8 +67,8 @@ pub struct FetchConfig {
     pub stall_timeout: Duration,
     /// Attempts after the first.
     pub retries: u32,
-    pub backoff_initial: Duration,
-    pub backoff_max: Duration,
+    /// The wait before a retry, by failures in a row.
+    pub backoff: Backoff,
     /// How often a progress line is logged while bytes flow.
     pub progress_interval: Duration,
 }
@@ -112,8 +113,7 @@ impl From<&FetchArgs> for FetchConfig {
             timeout: args.timeout,
             stall_timeout: args.stall_timeout,
             retries: args.retries,
-            backoff_initial: args.backoff,
-            backoff_max: Duration::from_secs(30),
+            backoff: args.backoff_policy(),
             progress_interval: Duration::from_secs(5),
         }
     }
@@ -231,13 +231,6 @@ fn chain(error: &reqwest::Error) -> String {
 /// The URL without query or fragment, for logs and errors.
 pub fn redact(url: &str) -> String {
     url.split(['?', '#']).next().unwrap_or(url).to_owned()
-}
-
-/// The delay before the retry after `consecutive_failures` failures in a row (≥ 1):
-/// `initial × 2^(n−1)`, capped at `max`.
-pub fn backoff_delay(consecutive_failures: u32, initial: Duration, max: Duration) -> Duration {
-    let doublings = consecutive_failures.saturating_sub(1).min(30);
-    initial.saturating_mul(1 << doublings).min(max)
 }
 
 /// A parsed `Content-Range` response header (RFC 9110 §14.4), bytes only.
@@ -495,7 +488,7 @@ async fn download(
             });
         }
         retries_used += 1;
-        let delay = backoff_delay(consecutive, config.backoff_initial, config.backoff_max);
+        let delay = config.backoff.delay(consecutive);
         if Instant::now() + delay >= deadline {
             // The next attempt could not start before the deadline: say so now
             // rather than sleeping into it.

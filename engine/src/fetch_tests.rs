@@ -1,5 +1,5 @@
-//! Unit tests of `fetch`'s pure parts (parsing, backoff, paths, config checks) and of
-//! `verify_file`, which checks a staged model whatever its source.
+//! Unit tests of `fetch`'s pure parts (parsing, the CLI's backoff, paths, config
+//! checks) and of `verify_file`, which checks a staged model whatever its source.
 
 use super::*;
 
@@ -38,13 +38,17 @@ fn content_range_forms() {
 }
 
 #[test]
-fn backoff_doubles_and_caps() {
-    let (initial, max) = (Duration::from_millis(100), Duration::from_secs(1));
-    let delays: Vec<_> = (1..=6)
-        .map(|n| backoff_delay(n, initial, max).as_millis())
-        .collect();
-    assert_eq!(delays, [100, 200, 400, 800, 1000, 1000]);
-    assert_eq!(backoff_delay(u32::MAX, initial, max), max);
+fn the_cli_backoff_doubles_from_its_flag_up_to_30_s() {
+    let config = FetchConfig {
+        backoff: FetchArgs {
+            backoff: Duration::from_secs(4),
+            ..FetchArgs::new("http://h/m", Sha256Digest([0; 32]), "m.gguf")
+        }
+        .backoff_policy(),
+        ..FetchConfig::new("http://h/m", Sha256Digest([0; 32]), "m.gguf")
+    };
+    let delays: Vec<_> = (1..=5).map(|n| config.backoff.delay(n).as_secs()).collect();
+    assert_eq!(delays, [4, 8, 16, 30, 30]);
 }
 
 #[test]

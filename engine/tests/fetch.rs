@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use sha2::{Digest as _, Sha256};
 use slipway_engine::fetch::{
-    AttemptError, FetchConfig, FetchError, FetchOutcome, Sha256Digest, fetch, partial_path,
+    AttemptError, Backoff, FetchConfig, FetchError, FetchOutcome, Sha256Digest, fetch, partial_path,
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -183,8 +183,7 @@ fn config(url: &str, sha256: Sha256Digest, dest: &Path) -> FetchConfig {
         timeout: Duration::from_secs(20),
         stall_timeout: Duration::from_secs(5),
         retries: 3,
-        backoff_initial: Duration::from_millis(20),
-        backoff_max: Duration::from_millis(200),
+        backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         ..FetchConfig::new(url, sha256, dest)
     }
 }

@@ -17,6 +17,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
+use slipway_contract::Backoff;
 use tracing::{info, warn};
 
 use crate::error::Error;
@@ -28,6 +29,18 @@ pub struct LeaseConfig {
     pub duration: Duration,
     /// How often the holder renews and candidates retry.
     pub retry: Duration,
+}
+
+impl LeaseConfig {
+    /// The wait after a failed or lost attempt at the Lease: the retry period every
+    /// time, as client-go's elector waits. Constant, not growing: a holder's renewal
+    /// deadline ([`Elector::still_leading`]) leaves room for one attempt per period,
+    /// and a candidate that backed off further would take over later than the lease
+    /// allows.
+    #[must_use]
+    pub fn retry_policy(&self) -> Backoff {
+        Backoff::constant(self.retry)
+    }
 }
 
 /// One replica's view of the Lease.
@@ -189,13 +202,16 @@ impl Elector {
     /// Never returns an error for API failures (they are logged and retried); the
     /// `Result` is kept for callers that add deadlines.
     pub async fn acquire(&mut self) -> Result<(), Error> {
+        let policy = self.config.retry_policy();
+        let mut attempts = 0u32;
         loop {
             match self.try_acquire_or_renew().await {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(error) => warn!(%error, "leader election attempt failed"),
             }
-            tokio::time::sleep(self.config.retry).await;
+            attempts = attempts.saturating_add(1);
+            tokio::time::sleep(policy.delay(attempts)).await;
         }
     }
 }

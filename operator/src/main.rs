@@ -121,17 +121,25 @@ async fn main() -> anyhow::Result<()> {
         }
     }));
 
-    // Renew until asked to stop or until the Lease can no longer be trusted.
+    // Renew every retry period until asked to stop or until the Lease can no longer be
+    // trusted; a failed renewal is retried as the election's retry policy says.
     let mut stopping = stop_rx.clone();
+    let retry = config.retry_policy();
+    let mut failures = 0u32;
     let lost = loop {
+        let wait = match failures {
+            0 => config.retry,
+            n => retry.delay(n),
+        };
         tokio::select! {
             _ = stopping.wait_for(|stop| *stop) => break false,
-            () = tokio::time::sleep(config.retry) => {}
+            () = tokio::time::sleep(wait) => {}
         }
         match elector.try_acquire_or_renew().await {
-            Ok(true) => {}
+            Ok(true) => failures = 0,
             Ok(false) => break true,
             Err(error) if elector.still_leading() => {
+                failures = failures.saturating_add(1);
                 error!(%error, "renewing the lease failed; retrying")
             }
             Err(error) => {

@@ -7,7 +7,7 @@
 //! - no pods → create them all (`Starting`);
 //! - a pod with another template hash → delete the group, recreate it (`Replacing`);
 //! - a pod failed, is missing, is on a NotReady node, or is being deleted while its
-//!   peers live → the group is broken and recreated whole after [`backoff`], at most
+//!   peers live → the group is broken and recreated whole after [`RESTART_BACKOFF`], at most
 //!   [`MAX_GROUP_RESTARTS`] times; after that it is `Held`;
 //! - only terminating pods → wait until they are gone (names are reused).
 //!
@@ -21,6 +21,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::SignedDuration;
+use slipway_contract::Backoff;
 
 use crate::observed::{GroupRecord, Observed, ObservedNode, ObservedPod, Phase};
 use crate::placement::{self, Move};
@@ -32,23 +33,13 @@ use super::events;
 
 /// Recreations of one group before it is held.
 pub const MAX_GROUP_RESTARTS: u32 = 5;
-/// First backoff before recreating a broken group; doubles per restart.
-pub const RESTART_BACKOFF_BASE: Duration = Duration::from_secs(10);
-/// Longest backoff between recreations.
-pub const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// The wait before recreating a broken group, by its earlier restarts: none for the
+/// first (a single failure is recreated at once), then 10 s doubling per restart,
+/// capped at 5 min.
+pub const RESTART_BACKOFF: Backoff =
+    Backoff::new(Duration::from_secs(10), Duration::from_secs(300));
 /// A group ready this long after its last restart gets its restart count back.
 pub const RESTART_RESET: Duration = Duration::from_secs(600);
-
-/// Backoff before the recreation that follows `restarts` earlier ones: none for the
-/// first (a single failure is recreated at once), then 10 s doubling, capped at 5 min.
-pub fn backoff(restarts: u32) -> Duration {
-    match restarts {
-        0 => Duration::ZERO,
-        n => RESTART_BACKOFF_BASE
-            .saturating_mul(1u32.checked_shl(n - 1).unwrap_or(u32::MAX))
-            .min(RESTART_BACKOFF_MAX),
-    }
-}
 
 /// Time from `then` to `now`; `then` unset is "long ago".
 fn since(then: Option<&Time>, now: &Time) -> Duration {
@@ -327,8 +318,9 @@ impl GroupsPlan {
             self.tally.held.push(format!("group {group} ({why})"));
             return GroupState::Held;
         }
-        let wait =
-            backoff(record.restarts).saturating_sub(since(record.last_restart.as_ref(), now));
+        let wait = RESTART_BACKOFF
+            .delay(record.restarts)
+            .saturating_sub(since(record.last_restart.as_ref(), now));
         if wait > Duration::ZERO {
             self.requeue = earliest(self.requeue, Some(wait));
             // No countdown in the message: it would change the status on every

@@ -21,11 +21,12 @@
 //! A broken group is one with a pod that failed, is missing, is on a NotReady node, or
 //! is being deleted while its peers live. Pods on a NotReady node are force-deleted
 //! (their kubelet cannot drain them), so the group is recreated on the nodes that
-//! remain. It is recreated whole after a backoff (10 s doubling, capped at 5 min) and
-//! at most [`MAX_GROUP_RESTARTS`] times; after that it is `Held`: left as it is,
-//! reported in `Degraded`, and counted as lost capacity. The count resets after the
-//! group has run ready for [`RESTART_RESET`], when the spec changes the group's pods
-//! (a new template is a new chance), or when the group's Service is deleted.
+//! remain. It is recreated whole after [`RESTART_BACKOFF`] (10 s doubling, capped at
+//! 5 min) and at most [`MAX_GROUP_RESTARTS`] times; after that it is `Held`: left as
+//! it is, reported in `Degraded`, and counted as lost capacity. The count resets
+//! after the group has run ready for [`RESTART_RESET`], when the spec changes the
+//! group's pods (a new template is a new chance), or when the group's Service is
+//! deleted.
 //!
 //! When every group is ready and nothing else is in motion but one domain holds so
 //! many groups that losing it is not survivable, one group is drained and recreated so
@@ -63,9 +64,7 @@ use groups::{GroupsPlan, LiveGroups, earliest};
 use releases::{Releases, Stable};
 
 pub use crate::types::{Child, ChildKind, ChildRef, Context, EventType, PlannedEvent};
-pub use groups::{
-    MAX_GROUP_RESTARTS, RESTART_BACKOFF_BASE, RESTART_BACKOFF_MAX, RESTART_RESET, backoff,
-};
+pub use groups::{MAX_GROUP_RESTARTS, RESTART_BACKOFF, RESTART_RESET};
 
 /// What should exist and be reported.
 #[derive(Debug, Clone, PartialEq)]
