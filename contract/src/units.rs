@@ -30,6 +30,11 @@ pub fn format_millis(d: Duration) -> String {
 /// Parses a byte size: a number with an optional K/M/G/T suffix, binary (KiB, MiB,
 /// ...) or decimal (KB, MB, ...; bare K/M/G/T are binary).
 ///
+/// Not `bytesize`'s parser, which was considered: it reads a bare `2G` as decimal
+/// (2,000,000,000), so `--kv-memory=2G` in a release's engine args would silently
+/// shrink the KV pool by 7 %; it also accepts `0` and saturates out-of-range values
+/// instead of refusing them.
+///
 /// # Errors
 /// A message for anything else.
 pub fn parse_size(s: &str) -> Result<u64, String> {
