@@ -41,6 +41,11 @@ pub const RELEASE_LABEL: &str = "release";
 pub const MODEL_LABEL: &str = "model";
 /// Label of [`REQUESTS`]: an [`Outcome`].
 pub const OUTCOME_LABEL: &str = "outcome";
+/// Label of the engine's per-request families (requests, SLO met, latencies, tokens)
+/// for a request to a LoRA adapter: the adapter's served name (`serve --lora
+/// NAME=...`). The base model's series have no such label (PromQL: `adapter=""`),
+/// so a reader that ignores it sums every served name of a release.
+pub const ADAPTER_LABEL: &str = "adapter";
 
 /// The sample name of a counter family in the text format.
 #[must_use]

@@ -95,7 +95,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "TEMPLATE")]
     pub chat_template: Option<String>,
     /// A LoRA adapter (llama.cpp's adapter GGUF) served next to the base model as
-    /// the model name NAME; repeat for more. Requests pick one with `model`.
+    /// the model name NAME; repeat for more. Requests pick one with `model`. Only
+    /// the CPU backend applies adapters for now: with adapters, `--device cuda` is
+    /// refused at start-up and `--device auto` runs on the CPU.
     #[arg(long = "lora", value_name = "NAME=PATH")]
     pub lora: Vec<LoraModule>,
     /// SHA-256 of an adapter given with --lora, verified before it is loaded; repeat

@@ -106,6 +106,7 @@ pub fn run(
             start_pos: start,
             block_table: table.to_vec(),
             logits: LogitsWanted::Last,
+            adapter: None,
         }
     };
 

@@ -321,6 +321,25 @@ pub enum VerifyError {
 /// # Errors
 /// [`VerifyError::Mismatch`], or the I/O error reading it.
 pub fn verify_file(path: &Path, expected: &Sha256Digest) -> Result<u64, VerifyError> {
+    let (actual, bytes) = file_sha256(path)?;
+    if actual == *expected {
+        Ok(bytes)
+    } else {
+        Err(VerifyError::Mismatch {
+            path: path.to_owned(),
+            expected: *expected,
+            actual,
+            bytes,
+        })
+    }
+}
+
+/// The sha256 of the file at `path` and its size: the one hashing loop behind
+/// [`verify_file`] and the LoRA adapters' verification and cache identity.
+///
+/// # Errors
+/// [`VerifyError::Io`] when the file cannot be read.
+pub fn file_sha256(path: &Path) -> Result<(Sha256Digest, u64), VerifyError> {
     use std::io::Read as _;
     let io = |source| VerifyError::Io {
         path: path.to_owned(),
@@ -338,17 +357,7 @@ pub fn verify_file(path: &Path, expected: &Sha256Digest) -> Result<u64, VerifyEr
         hasher.update(&buf[..n]);
         bytes += n as u64;
     }
-    let actual = digest_of(&hasher);
-    if actual == *expected {
-        Ok(bytes)
-    } else {
-        Err(VerifyError::Mismatch {
-            path: path.to_owned(),
-            expected: *expected,
-            actual,
-            bytes,
-        })
-    }
+    Ok((digest_of(&hasher), bytes))
 }
 
 /// Downloads `config.url` to `config.dest`, verified by its sha256.

@@ -25,15 +25,16 @@ pub enum GenerateError {
 /// Tokens per prefill forward step.
 pub const PREFILL_CHUNK: usize = 512;
 
-/// Feeds `tokens` from position `start` through the runner in chunks, growing
-/// `table`; returns the logits rows `want` asks for (per chunk).
+/// Feeds `tokens` from position `start` through the runner in chunks (under LoRA
+/// adapter `adapter`, if any), growing `table`; returns the logits rows `want` asks
+/// for (per chunk).
 fn feed(
     runner: &mut dyn ModelRunner,
     alloc: &mut BlockAllocator,
     table: &mut Vec<u32>,
-    tokens: &[u32],
-    start: usize,
+    (tokens, start): (&[u32], usize),
     want: LogitsWanted,
+    adapter: Option<u16>,
 ) -> Result<Vec<Vec<f32>>, GenerateError> {
     let bs = runner.kv_geometry().block_size;
     let mut rows = Vec::new();
@@ -51,6 +52,7 @@ fn feed(
                 start_pos: pos,
                 block_table: table.clone(),
                 logits,
+                adapter,
             }],
         };
         let out = runner.forward(&batch)?;
@@ -83,9 +85,16 @@ pub fn generate(
         if max_tokens == 0 {
             return Ok(out);
         }
-        let mut logits = feed(runner, alloc, &mut table, prompt, 0, LogitsWanted::Last)?
-            .pop()
-            .unwrap_or_default();
+        let mut logits = feed(
+            runner,
+            alloc,
+            &mut table,
+            (prompt, 0),
+            LogitsWanted::Last,
+            None,
+        )?
+        .pop()
+        .unwrap_or_default();
         loop {
             let tok = sampler.sample(&logits, &history);
             out.push(tok);
@@ -97,9 +106,9 @@ pub fn generate(
                 runner,
                 alloc,
                 &mut table,
-                &[tok],
-                history.len() - 1,
+                (&[tok], history.len() - 1),
                 LogitsWanted::Last,
+                None,
             )?
             .pop()
             .unwrap_or_default();
@@ -133,6 +142,21 @@ pub fn score(
     tokens: &[u32],
     top_k: usize,
 ) -> Result<Vec<PositionScore>, GenerateError> {
+    score_with(runner, alloc, tokens, top_k, None)
+}
+
+/// [`score`] under the runner's LoRA adapter `adapter` (an index into
+/// [`ModelRunner::adapters`]), or the base model for `None`.
+///
+/// # Errors
+/// As [`score`]; an adapter the runner does not have is a backend error.
+pub fn score_with(
+    runner: &mut dyn ModelRunner,
+    alloc: &mut BlockAllocator,
+    tokens: &[u32],
+    top_k: usize,
+    adapter: Option<u16>,
+) -> Result<Vec<PositionScore>, GenerateError> {
     if tokens.len() < 2 {
         return Err(GenerateError::EmptyPrompt);
     }
@@ -141,9 +165,9 @@ pub fn score(
         runner,
         alloc,
         &mut table,
-        &tokens[..tokens.len() - 1],
-        0,
+        (&tokens[..tokens.len() - 1], 0),
         LogitsWanted::All,
+        adapter,
     );
     alloc.release(&table)?;
     Ok(rows?

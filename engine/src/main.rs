@@ -24,6 +24,7 @@ use clap::{Args, Parser, Subcommand};
 use slipway_contract::{EngineCommand, exit};
 use slipway_engine::fetch::{FetchError, VerifyError};
 use slipway_engine::model::gguf::GgufFile;
+use slipway_engine::model::lora::LoraError;
 use slipway_engine::tokenizer::{DecodeOptions, EncodeOptions, Tokenizer};
 use slipway_telemetry::{Telemetry, TraceExport};
 
@@ -122,8 +123,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// [`exit::MODEL_REJECTED`] when the model is not the release's, else
-/// [`exit::FAILURE`].
+/// [`exit::MODEL_REJECTED`] when the model or a LoRA adapter is not the release's,
+/// else [`exit::FAILURE`].
 fn exit_code(error: &anyhow::Error) -> u8 {
     let rejected = error.chain().any(|cause| {
         matches!(
@@ -132,7 +133,9 @@ fn exit_code(error: &anyhow::Error) -> u8 {
         ) || matches!(
             cause.downcast_ref::<FetchError>(),
             Some(FetchError::ChecksumMismatch { .. })
-        )
+        ) || cause
+            .downcast_ref::<LoraError>()
+            .is_some_and(LoraError::is_rejection)
     });
     let code = if rejected {
         exit::MODEL_REJECTED

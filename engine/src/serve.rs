@@ -22,6 +22,7 @@ use slipway_engine::backend::cuda::runner::DeviceConfig;
 use slipway_engine::backend::{BackendOptions, select};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaConfig;
+use slipway_engine::model::lora;
 use slipway_engine::serving::admission::{Admission, AdmissionConfig, TenantRate};
 use slipway_engine::serving::block_manager::BlockManagerConfig;
 use slipway_engine::serving::engine::{EngineConfig, spawn_with_metrics};
@@ -73,6 +74,23 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer).ok();
     let model_config = LlamaConfig::from_gguf(&file)
         .with_context(|| format!("loading {}", args.model.display()))?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+    });
+    // LoRA adapters: verified, checked against this model and loaded before anything
+    // starts; any problem ends the start-up with the adapter's name and the reason.
+    let adapters = lora::load_adapters(
+        &args.lora_adapters()?,
+        &lora::BaseModel {
+            file: &file,
+            path: &args.model,
+            sha256: args.model_sha256,
+            served_name: &name,
+        },
+    )?;
+    let adapter_names: Vec<String> = adapters.iter().map(|a| a.name().to_owned()).collect();
     let trained = model_config.context_length;
     let max_model_len = args.max_model_len.unwrap_or(trained).min(trained);
     let block_size = CpuConfig::default().block_size;
@@ -103,6 +121,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             ..DeviceConfig::default()
         },
         gpu: args.gpu.unwrap_or(0),
+        adapters,
     };
     let (runner, device) = select(args.device, &file, &options)
         .with_context(|| format!("starting a backend for {}", args.model.display()))?;
@@ -124,11 +143,6 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     config.validate().map_err(|e| anyhow::anyhow!(e))?;
-    let name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_stem()
-            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
-    });
     let admission = Admission::new(AdmissionConfig {
         max_num_seqs: args.max_num_seqs,
         max_queue: args.max_queue,
@@ -148,6 +162,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     #[allow(clippy::needless_update)]
     let api = ApiConfig {
         model_name: name.clone(),
+        adapters: adapter_names.clone(),
         release: args.release.clone(),
         kv_namespace: args.kv_namespace.clone(),
         max_model_len,
@@ -174,7 +189,11 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             "fault injection is on (test only)"
         );
     }
-    let metrics = Arc::new(ServingMetrics::new(&name, &args.release));
+    let metrics = Arc::new(ServingMetrics::with_adapters(
+        &name,
+        &args.release,
+        &adapter_names,
+    ));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

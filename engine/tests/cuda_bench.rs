@@ -83,6 +83,7 @@ fn decode_rate(r: &mut dyn Greedy, b: usize, prompt: usize, warmup: usize, steps
                 start_pos: 0,
                 block_table: tables[i].clone(),
                 logits: LogitsWanted::Last,
+                adapter: None,
             })
             .collect(),
     };
@@ -99,6 +100,7 @@ fn decode_rate(r: &mut dyn Greedy, b: usize, prompt: usize, warmup: usize, steps
                     start_pos: prompt + s,
                     block_table: tables[i].clone(),
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 })
                 .collect(),
         };
@@ -119,6 +121,7 @@ fn prefill_rate(r: &mut dyn Greedy, len: usize, reps: usize) -> f64 {
             start_pos: 0,
             block_table: table,
             logits: LogitsWanted::Last,
+            adapter: None,
         }],
     };
     r.greedy(&batch); // warm-up

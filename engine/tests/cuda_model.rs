@@ -120,6 +120,7 @@ fn teacher_forced_agreement<D: Device>(dev: D, scope: Scope) {
             start_pos: 0,
             block_table: table.clone(),
             logits: LogitsWanted::Last,
+            adapter: None,
         });
         tables.push(table);
     }
@@ -143,6 +144,7 @@ fn teacher_forced_agreement<D: Device>(dev: D, scope: Scope) {
                     start_pos: p.prompt_tokens.len() + step,
                     block_table: tables[i].clone(),
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 });
                 who.push(i);
             }
@@ -216,6 +218,7 @@ fn graphs_do_not_change_logits<D: Device>(dev: D) {
             start_pos: 0,
             block_table: t,
             logits: LogitsWanted::None,
+            adapter: None,
         }],
     };
     let l = dev.forward(&quiet).expect("no-logits step");
@@ -239,6 +242,7 @@ fn graphs_do_not_change_logits<D: Device>(dev: D) {
                     start_pos: 0,
                     block_table: t.clone(),
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 })
                 .collect(),
         };
@@ -254,6 +258,7 @@ fn graphs_do_not_change_logits<D: Device>(dev: D) {
                         start_pos: p.len() + s,
                         block_table: t.clone(),
                         logits: LogitsWanted::Last,
+                        adapter: None,
                     })
                     .collect(),
             };

@@ -11,8 +11,11 @@ use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::sampling::{Sampler, SamplingParams, argmax};
-use slipway_engine::testing::{OraclePrompt, model_path, oracle};
-use slipway_engine::tokenizer::{DecodeOptions, Tokenizer};
+use slipway_engine::testing::{model_path, oracle};
+use slipway_engine::tokenizer::Tokenizer;
+
+#[path = "support/agreement.rs"]
+mod agreement;
 
 const BLOCKS: usize = 512;
 
@@ -50,97 +53,21 @@ fn fixture() -> MutexGuard<'static, Fixture> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// How many leading steps of `p` llama.cpp actually conditioned on as recorded.
-///
-/// The oracle's `continuation` ids lose byte tokens where a character spans
-/// several tokens (its `continuation_text` shows the full character, the ids only
-/// its last bytes), so after the first such gap llama.cpp's `steps` were computed
-/// from a history the ids do not reproduce. A step counts while the bytes of the
-/// ids up to and including it are a prefix of `continuation_text`.
-fn consistent_steps(tokenizer: &Tokenizer, p: &OraclePrompt) -> usize {
-    let text = p.continuation_text.as_bytes();
-    (0..p.steps.len())
-        .take_while(|&i| {
-            let bytes = tokenizer
-                .decode_bytes(&p.continuation[..=i], DecodeOptions { skip_special: true })
-                .expect("oracle ids decode");
-            text.starts_with(&bytes)
-        })
-        .count()
-}
-
 #[test]
 fn teacher_forced_agreement_with_llama_cpp() {
     let oracle = oracle();
     let mut f = fixture();
     let f = &mut *f;
-    let (mut total, mut agree, mut confident, mut confident_agree) =
-        (0usize, 0usize, 0usize, 0usize);
-    let mut lp_delta = 0f64;
-    let mut failures = Vec::new();
-    for p in &oracle.prompts {
-        let mut tokens = p.prompt_tokens.clone();
-        tokens.extend(&p.continuation);
-        let scores = score(&mut f.runner, &mut f.alloc, &tokens, 1).expect("score");
-        // scores[i] predicts tokens[i + 1]; the continuation starts at prompt_len.
-        let first = p.prompt_tokens.len() - 1;
-        let usable = consistent_steps(&f.tokenizer, p);
-        if usable < p.steps.len() {
-            println!(
-                "{}: {} of {} steps usable (the oracle's ids drop bytes of a split character there)",
-                p.id,
-                usable,
-                p.steps.len()
-            );
-        }
-        for (i, step) in p.steps.iter().enumerate().take(usable) {
-            let s = &scores[first + i];
-            assert_eq!(
-                s.token, step.token,
-                "{}: continuation/step mismatch in the oracle",
-                p.id
-            );
-            let (top1, lp1) = step.top[0];
-            let margin = lp1 - step.top.get(1).map_or(f32::NEG_INFINITY, |t| t.1);
-            total += 1;
-            let ok = s.argmax == top1;
-            agree += usize::from(ok);
-            if margin >= 1.0 {
-                confident += 1;
-                confident_agree += usize::from(ok);
-                if !ok {
-                    failures.push(format!(
-                        "{} step {i}: ours {} vs llama.cpp {top1} (margin {margin:.2})",
-                        p.id, s.argmax
-                    ));
-                }
-            }
-            lp_delta += f64::from(
-                (s.logprob
-                    - step
-                        .top
-                        .iter()
-                        .find(|t| t.0 == step.token)
-                        .map_or(lp1, |t| t.1))
-                .abs(),
-            );
-        }
-    }
-    let mean_delta = lp_delta / total as f64;
-    println!(
-        "teacher-forced: {agree}/{total} argmax agree ({:.1}%), {confident_agree}/{confident} where margin >= 1.0, mean |Δ logprob| = {mean_delta:.4}",
-        100.0 * agree as f64 / total as f64
-    );
-    assert!(
-        failures.is_empty(),
-        "confident positions disagree:\n{}",
-        failures.join("\n")
-    );
-    assert!(
-        agree as f64 >= 0.95 * total as f64,
-        "only {agree}/{total} positions agree"
-    );
-    assert!(mean_delta <= 0.3, "mean logprob delta {mean_delta}");
+    let Fixture {
+        runner,
+        alloc,
+        tokenizer,
+    } = f;
+    let a = agreement::teacher_forced(&oracle, tokenizer, |tokens| {
+        score(runner, alloc, tokens, 1).expect("score")
+    });
+    println!("teacher-forced: {}", a.summary());
+    a.assert_bar("the base model");
 }
 
 #[test]
@@ -186,6 +113,7 @@ fn alone(f: &mut Fixture, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u
                 start_pos: 0,
                 block_table: table.clone(),
                 logits: LogitsWanted::All,
+                adapter: None,
             }],
         })
         .expect("forward");
@@ -201,6 +129,7 @@ fn alone(f: &mut Fixture, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u
                     start_pos: prompt.len() + s,
                     block_table: table.clone(),
                     logits: LogitsWanted::All,
+                    adapter: None,
                 }],
             })
             .expect("forward");
@@ -271,6 +200,7 @@ fn batched_steps_equal_single_sequence_steps() {
                 start_pos: s.fed,
                 block_table: s.table.clone(),
                 logits: LogitsWanted::All,
+                adapter: None,
             });
             members.push(i);
         }

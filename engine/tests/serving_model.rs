@@ -71,6 +71,7 @@ fn request(
             adapter: None,
             salt: salt.map(Into::into),
         },
+        adapter: None,
     }
 }
 

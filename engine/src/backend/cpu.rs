@@ -7,16 +7,23 @@
 //! any attention, so a prefill chunk sees its own earlier tokens. Per-token results
 //! do not depend on what else is in the batch: the kernels compute each token's row
 //! with the same operations in the same order.
+//!
+//! LoRA adapters ([`CpuBackend::with_adapters`]): after each base product, the rows
+//! of each adapter segment ([`Batch::adapter_segments`]) get that adapter's low-rank
+//! product added ([`lora::add_segment`]) — q/k/v before RoPE and the KV write, o,
+//! gate/up before SwiGLU, down — the segmented scheme described in [`super`]. A row's
+//! low-rank product is computed alone, so the batch-independence above still holds.
 
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner};
+use super::{BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner, Segment};
 use crate::kernels::attention::{AttnQuery, KvLayout, attend};
 use crate::kernels::{Isa, QuantActs, ops};
 use crate::kv::KvCache;
 use crate::model::llama::{Linear, LlamaConfig, LlamaWeights};
+use crate::model::lora::{self, LoraAdapter, Projection};
 
 /// Settings of the CPU backend.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,6 +81,7 @@ pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     isa: Isa,
     scratch: Scratch,
+    adapters: Vec<Arc<LoraAdapter>>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -81,6 +89,7 @@ impl std::fmt::Debug for CpuBackend {
         f.debug_struct("CpuBackend")
             .field("isa", &self.isa)
             .field("threads", &self.pool.current_num_threads())
+            .field("adapters", &self.adapters.len())
             .finish_non_exhaustive()
     }
 }
@@ -118,7 +127,41 @@ impl CpuBackend {
             pool,
             isa,
             scratch: Scratch::default(),
+            adapters: Vec::new(),
         })
+    }
+
+    /// Serves `adapters` next to the model: [`super::SeqChunk::adapter`] indexes them.
+    ///
+    /// # Errors
+    /// An adapter whose shapes do not fit the model, or more than `u16::MAX`.
+    pub fn with_adapters(mut self, adapters: Vec<Arc<LoraAdapter>>) -> Result<Self, String> {
+        let c = &self.weights.config;
+        let (dim, kv, ffn) = (c.dim, c.kv_dim(), c.ffn_dim);
+        if adapters.len() > usize::from(u16::MAX) {
+            return Err(format!(
+                "{} LoRA adapters; at most {}",
+                adapters.len(),
+                u16::MAX
+            ));
+        }
+        for a in &adapters {
+            a.check_shapes(c.n_layers, |p| match p {
+                Projection::Q | Projection::O => (dim, dim),
+                Projection::K | Projection::V => (dim, kv),
+                Projection::Gate | Projection::Up => (dim, ffn),
+                Projection::Down => (ffn, dim),
+            })?;
+            tracing::info!(
+                adapter = a.name(),
+                pairs = a.num_pairs(),
+                rank = a.max_rank(),
+                alpha = a.alpha(),
+                "LoRA adapter ready"
+            );
+        }
+        self.adapters = adapters;
+        Ok(self)
     }
 
     /// Forces an instruction set (tests compare the portable and SIMD paths).
@@ -127,43 +170,29 @@ impl CpuBackend {
     }
 
     fn validate(&self, batch: &Batch) -> Result<(), BackendError> {
-        let c = &self.weights.config;
-        let bs = self.kv.layout().block_size;
-        let mut written = std::collections::HashSet::new();
-        for (i, s) in batch.seqs.iter().enumerate() {
-            let bad = |m: String| Err(BackendError::InvalidBatch(format!("sequence {i}: {m}")));
-            if s.tokens.is_empty() {
-                return bad("no tokens".into());
-            }
-            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
-                return bad(format!("token {t} outside the vocabulary of {}", c.vocab));
-            }
-            let end = s.start_pos + s.tokens.len();
-            if s.block_table.len() < end.div_ceil(bs) {
-                return bad(format!(
-                    "block table of {} blocks cannot hold {end} positions",
-                    s.block_table.len()
-                ));
-            }
-            if let Some(b) = s.block_table[..end.div_ceil(bs)]
-                .iter()
-                .find(|&&b| b as usize >= self.kv.num_blocks())
-            {
-                return bad(format!(
-                    "block {b} outside the KV store of {}",
-                    self.kv.num_blocks()
-                ));
-            }
-            for bi in s.start_pos / bs..end.div_ceil(bs) {
-                if !written.insert(s.block_table[bi]) {
-                    return bad(format!(
-                        "block {} is written by two sequences",
-                        s.block_table[bi]
-                    ));
-                }
+        super::validate_batch(
+            batch,
+            self.weights.config.vocab,
+            (self.kv.layout().block_size, self.kv.num_blocks()),
+            self.adapters.len(),
+        )
+    }
+
+    /// Adds each segment's low-rank products for `projs` of `layer` onto `out`.
+    fn add_lora(
+        adapters: &[Arc<LoraAdapter>],
+        segments: &[Segment],
+        (layer, projs): (usize, &[(Projection, usize)]),
+        x: (&[f32], usize),
+        out: (&mut [f32], usize),
+    ) {
+        let (out, out_width) = out;
+        for seg in segments {
+            // Validated against the table before the step.
+            if let Some(a) = adapters.get(usize::from(seg.adapter)) {
+                lora::add_segment(a, layer, projs, seg.rows.clone(), x, (&mut *out, out_width));
             }
         }
-        Ok(())
     }
 
     fn run_linear(
@@ -225,6 +254,17 @@ impl CpuBackend {
         sc.attn.resize(n * dim, 0.0);
         sc.ffn.resize(n * c.ffn_dim, 0.0);
         let scale = 1.0 / (hd as f32).sqrt();
+        let segments = batch.adapter_segments();
+        let adapters = &self.adapters;
+        let qkv_w = dim + 2 * kvd;
+        let (qkv_lora, gate_up_lora) = (
+            [
+                (Projection::Q, 0),
+                (Projection::K, dim),
+                (Projection::V, dim + kvd),
+            ],
+            [(Projection::Gate, 0), (Projection::Up, c.ffn_dim)],
+        );
         for (li, layer) in w.layers.iter().enumerate() {
             ops::rms_norm(&sc.x, &layer.attn_norm, c.norm_eps, &mut sc.h);
             Self::run_linear(
@@ -236,7 +276,13 @@ impl CpuBackend {
                 &mut sc.mm,
                 &mut sc.qkv,
             )?;
-            let qkv_w = dim + 2 * kvd;
+            Self::add_lora(
+                adapters,
+                &segments,
+                (li, &qkv_lora),
+                (&sc.h, dim),
+                (&mut sc.qkv, qkv_w),
+            );
             for t in 0..n {
                 let row = &mut sc.qkv[t * qkv_w..(t + 1) * qkv_w];
                 ops::rope_in_place(&mut row[..dim + kvd], hd, &rope[t]);
@@ -274,6 +320,13 @@ impl CpuBackend {
                 &mut sc.mm,
                 &mut sc.proj,
             )?;
+            Self::add_lora(
+                adapters,
+                &segments,
+                (li, &[(Projection::O, 0)]),
+                (&sc.attn, dim),
+                (&mut sc.proj, dim),
+            );
             ops::add_in_place(&mut sc.x, &sc.proj);
             ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
             Self::run_linear(
@@ -285,6 +338,13 @@ impl CpuBackend {
                 &mut sc.mm,
                 &mut sc.gate_up,
             )?;
+            Self::add_lora(
+                adapters,
+                &segments,
+                (li, &gate_up_lora),
+                (&sc.h, dim),
+                (&mut sc.gate_up, 2 * c.ffn_dim),
+            );
             ops::swiglu(&sc.gate_up, c.ffn_dim, &mut sc.ffn);
             Self::run_linear(
                 isa,
@@ -295,6 +355,13 @@ impl CpuBackend {
                 &mut sc.mm,
                 &mut sc.proj,
             )?;
+            Self::add_lora(
+                adapters,
+                &segments,
+                (li, &[(Projection::Down, 0)]),
+                (&sc.ffn, c.ffn_dim),
+                (&mut sc.proj, dim),
+            );
             ops::add_in_place(&mut sc.x, &sc.proj);
         }
         // Only the rows someone asked for go through the (large) output head.
@@ -347,6 +414,10 @@ impl ModelRunner for CpuBackend {
             block_size: self.kv.layout().block_size,
             num_blocks: self.kv.num_blocks(),
         }
+    }
+
+    fn adapters(&self) -> &[Arc<LoraAdapter>] {
+        &self.adapters
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {

@@ -9,7 +9,21 @@
 //! - `block_table` covers every position up to the chunk's last one; the blocks a
 //!   chunk writes belong to it alone in this batch (shared, read-only prefix blocks
 //!   are fine);
-//! - the result holds the logits each chunk asked for, in chunk order.
+//! - the result holds the logits each chunk asked for, in chunk order;
+//! - a chunk's `adapter`, when set, indexes the runner's [`ModelRunner::adapters`];
+//!   its rows get that LoRA adapter's low-rank products on top of the base ones.
+//!
+//! LoRA in a batch follows Punica's SGMV (segmented gather matrix-vector products,
+//! Chen et al. 2023, the kernels vLLM's LoRA runs on): the base product runs once over
+//! every row of the step, then [`Batch::adapter_segments`] cuts the rows into
+//! segments of consecutive rows that share an adapter, and each segment runs that
+//! adapter's shrink (`x·Aᵀ`) and expand (`·Bᵀ·alpha/r`) added onto the base output.
+//! Punica rather than S-LoRA: S-LoRA's own contribution is paging thousands of
+//! adapters through GPU memory beside the KV cache; the adapters of a release are a
+//! handful, resident for the process's life, so only the segmented product applies.
+//! A segment (a prefill chunk, or neighbouring sequences of one adapter) reads its
+//! `A` and `B` once while they are hot, where a per-row gather (Punica's BGMV) would
+//! fetch them per row.
 //!
 //! The CPU backend ([`cpu`]) and the device backend ([`cuda`]: CUDA kernels on a GPU
 //! with feature `cuda`, or their CPU twins) implement it; [`select`] picks one at run
@@ -23,6 +37,7 @@ use std::sync::Arc;
 
 use crate::model::gguf::GgufFile;
 use crate::model::llama::{LlamaConfig, LlamaWeights};
+use crate::model::lora::LoraAdapter;
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +61,18 @@ pub struct SeqChunk {
     pub block_table: Vec<u32>,
     /// Logits to return.
     pub logits: LogitsWanted,
+    /// The LoRA adapter of this sequence (an index into the runner's
+    /// [`ModelRunner::adapters`]); `None` for the base model.
+    pub adapter: Option<u16>,
+}
+
+/// Consecutive rows (tokens) of a batch that use one LoRA adapter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// The adapter (an index into the runner's [`ModelRunner::adapters`]).
+    pub adapter: u16,
+    /// The rows, in the order the batch's tokens are laid out.
+    pub rows: Range<usize>,
 }
 
 /// One forward step.
@@ -60,6 +87,26 @@ impl Batch {
     #[must_use]
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// The rows of the step per adapter: one [`Segment`] per run of consecutive
+    /// sequences with the same adapter, in row order; base-model rows are in none.
+    #[must_use]
+    pub fn adapter_segments(&self) -> Vec<Segment> {
+        let mut out: Vec<Segment> = Vec::new();
+        let mut row = 0;
+        for s in &self.seqs {
+            let rows = row..row + s.tokens.len();
+            row = rows.end;
+            let Some(adapter) = s.adapter else { continue };
+            match out.last_mut() {
+                Some(last) if last.adapter == adapter && last.rows.end == rows.start => {
+                    last.rows.end = rows.end;
+                }
+                _ => out.push(Segment { adapter, rows }),
+            }
+        }
+        out
     }
 }
 
@@ -124,15 +171,15 @@ pub enum BackendError {
 }
 
 /// Checks a batch against the contract in the module docs for a store of `num_blocks`
-/// blocks of `block_size` positions.
+/// blocks of `block_size` positions and a runner with `num_adapters` LoRA adapters.
 ///
 /// # Errors
 /// [`BackendError::InvalidBatch`] naming the first offending sequence.
 pub fn validate_batch(
     batch: &Batch,
     vocab: usize,
-    block_size: usize,
-    num_blocks: usize,
+    (block_size, num_blocks): (usize, usize),
+    num_adapters: usize,
 ) -> Result<(), BackendError> {
     let mut written = std::collections::HashSet::new();
     for (i, s) in batch.seqs.iter().enumerate() {
@@ -142,6 +189,13 @@ pub fn validate_batch(
         }
         if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
             return bad(format!("token {t} outside the vocabulary of {vocab}"));
+        }
+        if let Some(a) = s.adapter
+            && usize::from(a) >= num_adapters
+        {
+            return bad(format!(
+                "LoRA adapter {a} outside the runner's {num_adapters} adapters"
+            ));
         }
         let end = s.start_pos + s.tokens.len();
         let need = end.div_ceil(block_size);
@@ -190,6 +244,8 @@ pub struct BackendOptions {
     pub cuda: cuda::runner::DeviceConfig,
     /// GPU ordinal.
     pub gpu: usize,
+    /// LoRA adapters to serve next to the model (CPU backend only, for now).
+    pub adapters: Vec<Arc<LoraAdapter>>,
 }
 
 /// Errors of [`select`].
@@ -204,6 +260,11 @@ pub enum SelectError {
     /// The CPU backend could not start.
     #[error("CPU backend: {0}")]
     Cpu(String),
+    /// LoRA adapters were given with `--device cuda`.
+    #[error(
+        "LoRA adapters need --device cpu for now: the CUDA backend does not apply them ({0} given)"
+    )]
+    AdaptersNeedCpu(usize),
 }
 
 #[cfg(feature = "cuda")]
@@ -225,17 +286,29 @@ fn start_cuda(
     Err("this binary was built without the `cuda` feature".into())
 }
 
-/// Starts the backend `choice` names for the model in `file`.
+/// Starts the backend `choice` names for the model in `file`. With LoRA adapters only
+/// the CPU backend serves: `cuda` is refused, `auto` takes the CPU (and logs why).
 ///
 /// # Errors
-/// [`SelectError::CudaUnavailable`] when CUDA was asked for and cannot start; model or
+/// [`SelectError::CudaUnavailable`] when CUDA was asked for and cannot start,
+/// [`SelectError::AdaptersNeedCpu`] when it was asked for with adapters; model or
 /// CPU backend errors otherwise.
 pub fn select(
     choice: DeviceChoice,
     file: &GgufFile,
     options: &BackendOptions,
 ) -> Result<(Box<dyn ModelRunner + Send>, Device), SelectError> {
-    if choice != DeviceChoice::Cpu {
+    let adapters = options.adapters.len();
+    if adapters > 0 {
+        match choice {
+            DeviceChoice::Cuda => return Err(SelectError::AdaptersNeedCpu(adapters)),
+            DeviceChoice::Auto => tracing::warn!(
+                adapters,
+                "LoRA adapters are served by the CPU backend only; --device auto takes the CPU"
+            ),
+            DeviceChoice::Cpu => {}
+        }
+    } else if choice != DeviceChoice::Cpu {
         match start_cuda(file, options) {
             Ok(runner) => return Ok((runner, Device::Cuda)),
             Err(reason) if choice == DeviceChoice::Cuda => {
@@ -247,7 +320,9 @@ pub fn select(
         }
     }
     let weights = Arc::new(LlamaWeights::from_gguf(file)?);
-    let runner = cpu::CpuBackend::new(weights, &options.cpu).map_err(SelectError::Cpu)?;
+    let runner = cpu::CpuBackend::new(weights, &options.cpu)
+        .and_then(|r| r.with_adapters(options.adapters.clone()))
+        .map_err(SelectError::Cpu)?;
     Ok((Box::new(runner), Device::Cpu))
 }
 
@@ -257,6 +332,11 @@ pub trait ModelRunner {
     fn config(&self) -> &LlamaConfig;
     /// The KV store's shape (the block manager sizes its pool from it).
     fn kv_geometry(&self) -> KvGeometry;
+    /// The LoRA adapters a [`SeqChunk::adapter`] may name, by index; none unless the
+    /// backend applies adapters.
+    fn adapters(&self) -> &[Arc<LoraAdapter>] {
+        &[]
+    }
     /// Runs one step; see the module docs for the contract.
     ///
     /// # Errors

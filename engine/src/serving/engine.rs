@@ -17,6 +17,12 @@
 //! Metrics: the actor alone sees the scheduler, so it keeps the gauges (running,
 //! waiting, KV usage), the token and prefix-cache counters and the queue-time
 //! histogram of [`ServingMetrics`] current, after every command batch and step.
+//!
+//! LoRA: a request names an adapter by its index in the runner's
+//! [`ModelRunner::adapters`]; the actor refuses an index the runner does not serve
+//! and writes the adapter's identity (name and file sha256) into the request's
+//! [`CacheKey`] itself, so no caller can make two adapters, or an adapter and the
+//! base model, share prefix-cache blocks.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -83,8 +89,12 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// End-of-generation tokens.
     pub eos: Vec<u32>,
-    /// Prefix-cache separation.
+    /// Prefix-cache separation. Its `adapter` is overwritten by the engine from
+    /// `adapter`.
     pub cache_key: CacheKey,
+    /// The LoRA adapter to run under (an index into the runner's
+    /// [`ModelRunner::adapters`]); `None` for the base model.
+    pub adapter: Option<u16>,
 }
 
 /// One event of a request's stream.
@@ -231,6 +241,7 @@ impl EngineHandle {
 
 struct Active {
     events: mpsc::UnboundedSender<Event>,
+    adapter: Option<u16>,
     sampler: Sampler,
     history: Vec<u32>,
     prompt_tokens: usize,
@@ -247,6 +258,8 @@ struct Actor {
     metrics: Arc<ServingMetrics>,
     /// Prefix-cache counters already added to the metrics.
     prefix_seen: (u64, u64),
+    /// The prefix-cache identity of each of the runner's adapters, by index.
+    adapter_keys: Vec<String>,
 }
 
 impl Actor {
@@ -295,6 +308,7 @@ pub fn spawn_with_metrics(
         active: HashMap::new(),
         metrics,
         prefix_seen: (0, 0),
+        adapter_keys: runner.adapters().iter().map(|a| a.identity()).collect(),
     };
     let task = tokio::spawn(run(runner, actor, rx, config.inject_step_delay));
     Ok((
@@ -329,19 +343,42 @@ fn handle(cmd: Command, a: &mut Actor) {
             accepted,
             span,
         } => {
-            let added = s.add(SchedRequest {
-                id,
-                prompt: req.prompt.clone(),
-                max_tokens: req.max_tokens,
-                eos: req.eos,
-                cache_key: req.cache_key,
-            });
+            let req = *req;
+            let mut cache_key = req.cache_key;
+            let adapter_key = match req.adapter {
+                None => Ok(None),
+                Some(i) => match a.adapter_keys.get(usize::from(i)) {
+                    Some(key) => Ok(Some(key.clone())),
+                    None => Err(AddError::UnknownAdapter {
+                        adapter: i,
+                        served: a.adapter_keys.len(),
+                    }),
+                },
+            };
+            let added = match adapter_key {
+                Ok(key) => {
+                    cache_key.adapter = key;
+                    s.add(SchedRequest {
+                        id,
+                        prompt: req.prompt.clone(),
+                        max_tokens: req.max_tokens,
+                        eos: req.eos,
+                        cache_key,
+                        adapter: req.adapter,
+                    })
+                }
+                Err(e) => Err(e),
+            };
             if added.is_ok() {
-                a.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
+                a.metrics
+                    .of(req.adapter)
+                    .prompt_tokens
+                    .inc_by(req.prompt.len() as u64);
                 active.insert(
                     id,
                     Active {
                         events,
+                        adapter: req.adapter,
                         sampler: Sampler::new(req.sampling),
                         prompt_tokens: req.prompt.len(),
                         history: req.prompt,
@@ -449,6 +486,7 @@ async fn run(
                 r.scheduled = true;
                 r.trace.scheduled();
                 a.metrics
+                    .of(r.adapter)
                     .queue_time
                     .observe(now.duration_since(r.submitted).as_secs_f64());
             }
@@ -520,7 +558,7 @@ async fn run(
                 r.history.push(t);
                 r.generated += 1;
                 r.trace.token();
-                a.metrics.generation_tokens.inc();
+                a.metrics.of(r.adapter).generation_tokens.inc();
                 alive = r.events.send(Event::Token(t)).is_ok();
             }
             if let Some(reason) = o.finished {

@@ -99,6 +99,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         sampling: SamplingParams::default(),
         eos: vec![EOS],
         cache_key: CacheKey::default(),
+        adapter: None,
     }
 }
 
@@ -250,8 +251,8 @@ async fn metrics_follow_the_engine() {
     assert_eq!(metrics.running.get(), 0);
     assert_eq!(metrics.waiting.get(), 0);
     assert!(metrics.kv_usage.get().abs() < 1e-12);
-    assert_eq!(metrics.prompt_tokens.get(), 18);
-    assert!(metrics.generation_tokens.get() >= 6);
+    assert_eq!(metrics.of(None).prompt_tokens.get(), 18);
+    assert!(metrics.of(None).generation_tokens.get() >= 6);
     // The second prompt shares the first's two full 4-token blocks.
     assert_eq!(metrics.prefix_queries.get(), 18);
     assert_eq!(metrics.prefix_hits.get(), 8);

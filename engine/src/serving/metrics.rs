@@ -2,7 +2,14 @@
 //! Prometheus queries read), exposed at `GET /metrics` by `slipway-engine serve`.
 //!
 //! Every series carries the labels `model` and `release` (the `--release` flag), and
-//! `slipway_requests_total` also `outcome`; nothing else, so cardinality stays fixed:
+//! `slipway_requests_total` also `outcome`. The per-request families (requests, SLO
+//! met, the four latency histograms, prompt and generated tokens) also carry
+//! `adapter` for a request to a LoRA adapter — its served name (`--lora NAME=...`) —
+//! and no `adapter` label for the base model, so the base model's series are exactly
+//! what they were before adapters existed (in PromQL `adapter=""` selects them). The
+//! label's values are fixed at start-up (the release's adapters), so cardinality
+//! stays bounded. The engine-wide gauges and the prefix-cache counters describe the
+//! shared engine and carry no adapter:
 //! - counter `slipway_requests_total{outcome}`, outcome ∈ ok | rejected_429 |
 //!   rejected_503 | cancelled | error; a request counts once, when it ends;
 //! - counter `slipway_requests_slo_met_total`: successful requests whose TTFT ≤
@@ -49,7 +56,8 @@ use slipway_contract::metrics as names;
 /// contract's type, which the operator's analysis reads.
 pub use slipway_contract::metrics::Outcome;
 use slipway_contract::metrics::{
-    GENERATION_TOKENS, MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET,
+    ADAPTER_LABEL, GENERATION_TOKENS, MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS,
+    REQUESTS_SLO_MET,
 };
 
 /// Latency targets of the SLO (the CRD's `slo.ttft`/`slo.tpot` thresholds).
@@ -89,14 +97,16 @@ pub fn meets_slo(ttft: Option<Duration>, e2e: Duration, n_out: usize, slo: &SloT
     tpot <= slo.tpot.as_secs_f64()
 }
 
-type OutcomeLabel = [(&'static str, &'static str); 1];
+/// Labels of a per-request series: `outcome` where the family has it, then
+/// `adapter` for an adapter's series (none for the base model's).
+type Labels = Vec<(&'static str, String)>;
 
-/// The metrics of one serving process. Cloning the metric handles inside shares
-/// them, so the actor and the HTTP layer update the same series.
-#[derive(Debug)]
-pub struct ServingMetrics {
-    registry: Registry,
-    requests: Family<OutcomeLabel, Counter>,
+/// The per-request series of one served model name: the base model or one LoRA
+/// adapter. Handles share their series with the registry.
+#[derive(Debug, Clone)]
+pub struct RequestMetrics {
+    /// `slipway_requests_total`, one counter per [`Outcome::ALL`].
+    requests: Vec<Counter>,
     slo_met: Counter,
     /// Arrival to first token.
     pub ttft: Histogram,
@@ -106,6 +116,26 @@ pub struct ServingMetrics {
     pub e2e: Histogram,
     /// Queued in the engine until first scheduled.
     pub queue_time: Histogram,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: Counter,
+    /// Generated tokens.
+    pub generation_tokens: Counter,
+}
+
+impl RequestMetrics {
+    fn outcome(&self, outcome: Outcome) -> &Counter {
+        let i = Outcome::ALL.iter().position(|&o| o == outcome).unwrap_or(0);
+        &self.requests[i]
+    }
+}
+
+/// The metrics of one serving process. Cloning the metric handles inside shares
+/// them, so the actor and the HTTP layer update the same series.
+#[derive(Debug)]
+pub struct ServingMetrics {
+    registry: Registry,
+    /// Per served name: the base model first, then each adapter in `--lora` order.
+    lanes: Vec<RequestMetrics>,
     /// Requests running (holding KV).
     pub running: Gauge,
     /// Requests waiting in the engine's queue.
@@ -115,19 +145,23 @@ pub struct ServingMetrics {
     /// KV blocks in the running requests' contexts, counted per request (a shared
     /// prefix once per request): not exported, read by the load report.
     pub context_blocks: Gauge,
-    /// Prompt tokens of admitted requests.
-    pub prompt_tokens: Counter,
-    /// Generated tokens.
-    pub generation_tokens: Counter,
     /// Prompt tokens looked up in the prefix cache.
     pub prefix_queries: Counter,
     /// Of those, tokens found.
     pub prefix_hits: Counter,
 }
 
-fn buckets(b: &[f64]) -> Histogram {
-    Histogram::new(b.iter().copied())
+fn latency_buckets() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS.iter().copied())
 }
+fn token_buckets() -> Histogram {
+    Histogram::new(TOKEN_BUCKETS.iter().copied())
+}
+fn e2e_buckets() -> Histogram {
+    Histogram::new(E2E_BUCKETS.iter().copied())
+}
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -140,66 +174,102 @@ const E2E_BUCKETS: &[f64] = &[
 ];
 
 impl ServingMetrics {
-    /// Registers every series with the labels `model` and `release`. Every outcome
-    /// of `slipway_requests_total` starts at 0, so rates exist from the first scrape.
+    /// Registers every series with the labels `model` and `release`, for a process
+    /// serving no adapters.
     #[must_use]
     pub fn new(model: &str, release: &str) -> Self {
+        Self::with_adapters(model, release, &[])
+    }
+
+    /// Registers every series with the labels `model` and `release`, and the
+    /// per-request ones once for the base model and once per adapter name. Every
+    /// outcome of `slipway_requests_total` of every served name starts at 0, so rates
+    /// exist from the first scrape.
+    #[must_use]
+    pub fn with_adapters(model: &str, release: &str, adapters: &[String]) -> Self {
         let labels = [
             (Cow::Borrowed(MODEL_LABEL), Cow::Owned(model.to_owned())),
             (Cow::Borrowed(RELEASE_LABEL), Cow::Owned(release.to_owned())),
         ];
         let mut registry = Registry::with_labels(labels.into_iter());
+        let requests: Family<Labels, Counter> = Family::default();
+        let slo_met: Family<Labels, Counter> = Family::default();
+        let ttft: HistogramFamily = Family::new_with_constructor(latency_buckets);
+        let inter_token: HistogramFamily = Family::new_with_constructor(token_buckets);
+        let e2e: HistogramFamily = Family::new_with_constructor(e2e_buckets);
+        let queue_time: HistogramFamily = Family::new_with_constructor(latency_buckets);
+        let prompt_tokens: Family<Labels, Counter> = Family::default();
+        let generation_tokens: Family<Labels, Counter> = Family::default();
+        let lanes = std::iter::once(None)
+            .chain(adapters.iter().map(Some))
+            .map(|adapter| {
+                let with = |mut l: Labels| {
+                    if let Some(a) = adapter {
+                        l.push((ADAPTER_LABEL, a.clone()));
+                    }
+                    l
+                };
+                let own = with(Vec::new());
+                RequestMetrics {
+                    requests: Outcome::ALL
+                        .iter()
+                        .map(|o| {
+                            requests
+                                .get_or_create(&with(vec![(OUTCOME_LABEL, o.as_str().to_owned())]))
+                                .clone()
+                        })
+                        .collect(),
+                    slo_met: slo_met.get_or_create(&own).clone(),
+                    ttft: ttft.get_or_create(&own).clone(),
+                    inter_token: inter_token.get_or_create(&own).clone(),
+                    e2e: e2e.get_or_create(&own).clone(),
+                    queue_time: queue_time.get_or_create(&own).clone(),
+                    prompt_tokens: prompt_tokens.get_or_create(&own).clone(),
+                    generation_tokens: generation_tokens.get_or_create(&own).clone(),
+                }
+            })
+            .collect();
         let m = Self {
-            requests: Family::default(),
-            slo_met: Counter::default(),
-            ttft: buckets(LATENCY_BUCKETS),
-            inter_token: buckets(TOKEN_BUCKETS),
-            e2e: buckets(E2E_BUCKETS),
-            queue_time: buckets(LATENCY_BUCKETS),
+            lanes,
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
             context_blocks: Gauge::default(),
-            prompt_tokens: Counter::default(),
-            generation_tokens: Counter::default(),
             prefix_queries: Counter::default(),
             prefix_hits: Counter::default(),
             registry: Registry::default(),
         };
-        for o in Outcome::ALL {
-            let _ = m.requests.get_or_create(&[(OUTCOME_LABEL, o.as_str())]);
-        }
         // Counter names are given without `_total`: the encoder appends it.
         let r = &mut registry;
         r.register(
             REQUESTS,
             "Requests by how they ended (counted once, at the end)",
-            m.requests.clone(),
+            requests,
         );
         r.register(
             REQUESTS_SLO_MET,
             "Successful requests whose TTFT and TPOT met --slo-ttft-ms and --slo-tpot-ms",
-            m.slo_met.clone(),
+            slo_met,
         );
         r.register(
             names::TTFT,
             "Request arrival to its first generated token",
-            m.ttft.clone(),
+            ttft,
         );
         r.register(
             names::INTER_TOKEN,
             "Time between consecutive generated tokens of a request",
-            m.inter_token.clone(),
+            inter_token,
         );
         r.register(
             names::E2E,
             "Request arrival to its last token, successful requests",
-            m.e2e.clone(),
+            e2e,
         );
         r.register(
             names::QUEUE_TIME,
             "Time a request waited in the engine's queue before its first step",
-            m.queue_time.clone(),
+            queue_time,
         );
         r.register(
             names::RUNNING,
@@ -219,13 +289,9 @@ impl ServingMetrics {
         r.register(
             names::PROMPT_TOKENS,
             "Prompt tokens of admitted requests",
-            m.prompt_tokens.clone(),
+            prompt_tokens,
         );
-        r.register(
-            GENERATION_TOKENS,
-            "Generated tokens",
-            m.generation_tokens.clone(),
-        );
+        r.register(GENERATION_TOKENS, "Generated tokens", generation_tokens);
         r.register(
             names::PREFIX_QUERIES,
             "Prompt tokens looked up in the prefix cache",
@@ -239,30 +305,36 @@ impl ServingMetrics {
         Self { registry, ..m }
     }
 
-    /// Counts a request that ended.
-    pub fn request_ended(&self, outcome: Outcome) {
-        self.requests
-            .get_or_create(&[(OUTCOME_LABEL, outcome.as_str())])
-            .inc();
+    /// The per-request series of the base model (`None`) or of adapter `adapter`
+    /// (its index in `--lora` order). An index past the adapters given at start-up
+    /// (an engine bug: requests are checked against the runner's adapters first)
+    /// lands in the base model's series rather than failing the request.
+    #[must_use]
+    pub fn of(&self, adapter: Option<u16>) -> &RequestMetrics {
+        let lane = adapter.map_or(0, |a| usize::from(a) + 1);
+        self.lanes.get(lane).unwrap_or(&self.lanes[0])
     }
 
-    /// The count of one outcome so far.
+    /// Counts a request that ended.
+    pub fn request_ended(&self, adapter: Option<u16>, outcome: Outcome) {
+        self.of(adapter).outcome(outcome).inc();
+    }
+
+    /// The count of one outcome so far, over every served name.
     #[must_use]
     pub fn requests(&self, outcome: Outcome) -> u64 {
-        self.requests
-            .get_or_create(&[(OUTCOME_LABEL, outcome.as_str())])
-            .get()
+        self.lanes.iter().map(|l| l.outcome(outcome).get()).sum()
     }
 
     /// Counts a successful request that met the SLO.
-    pub fn slo_met(&self) {
-        self.slo_met.inc();
+    pub fn slo_met(&self, adapter: Option<u16>) {
+        self.of(adapter).slo_met.inc();
     }
 
-    /// Successful requests that met the SLO so far.
+    /// Successful requests that met the SLO so far, over every served name.
     #[must_use]
     pub fn slo_met_count(&self) -> u64 {
-        self.slo_met.get()
+        self.lanes.iter().map(|l| l.slo_met.get()).sum()
     }
 
     /// OpenMetrics 1.0 text (prometheus-client's own format, ends with `# EOF`).
@@ -342,10 +414,10 @@ mod tests {
     #[test]
     fn exposition_has_the_contract_names_and_labels() {
         let m = ServingMetrics::new("smol", "abc123");
-        m.request_ended(Outcome::Ok);
-        m.request_ended(Outcome::Rejected503);
-        m.slo_met();
-        m.ttft.observe(0.2);
+        m.request_ended(None, Outcome::Ok);
+        m.request_ended(None, Outcome::Rejected503);
+        m.slo_met(None);
+        m.of(None).ttft.observe(0.2);
         m.kv_usage.set(0.25);
         m.prefix_hits.inc_by(192);
         let text = m.prometheus_text();
@@ -391,6 +463,68 @@ mod tests {
         assert!(m.openmetrics().ends_with("# EOF\n"));
         assert_eq!(m.requests(Outcome::Rejected503), 1);
         assert_eq!(m.slo_met_count(), 1);
+    }
+
+    #[test]
+    fn adapter_series_carry_the_adapter_label_and_the_base_keeps_its_own() {
+        let m = ServingMetrics::with_adapters("smol", "abc123", &["sql".into(), "chat".into()]);
+        m.request_ended(None, Outcome::Ok);
+        m.request_ended(Some(0), Outcome::Ok);
+        m.request_ended(Some(0), Outcome::Ok);
+        m.slo_met(Some(1));
+        m.of(Some(1)).generation_tokens.inc_by(5);
+        let text = m.prometheus_text();
+        let value = |series: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("{series} missing:\n{text}"))
+                .to_owned()
+        };
+        // The base model's series are unchanged by adapters being served.
+        assert_eq!(
+            value(r#"slipway_requests_total{model="smol",release="abc123",outcome="ok"}"#),
+            "1"
+        );
+        assert_eq!(
+            value(
+                r#"slipway_requests_total{model="smol",release="abc123",outcome="ok",adapter="sql"}"#
+            ),
+            "2"
+        );
+        // Every outcome of every served name exists from the start.
+        assert_eq!(
+            value(
+                r#"slipway_requests_total{model="smol",release="abc123",outcome="error",adapter="chat"}"#
+            ),
+            "0"
+        );
+        assert_eq!(
+            value(
+                r#"slipway_requests_slo_met_total{model="smol",release="abc123",adapter="chat"}"#
+            ),
+            "1"
+        );
+        assert_eq!(
+            value(
+                r#"slipway_generation_tokens_total{model="smol",release="abc123",adapter="chat"}"#
+            ),
+            "5"
+        );
+        assert!(
+            text.contains(r#"slipway_time_to_first_token_seconds_count{model="smol",release="abc123",adapter="sql"} 0"#),
+            "{text}"
+        );
+        // Engine-wide series carry no adapter.
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.starts_with("slipway_kv_cache_usage_perc{") && l.contains("adapter"))
+        );
+        assert_eq!(m.requests(Outcome::Ok), 3);
+        assert_eq!(m.slo_met_count(), 1);
+        // An index past the adapters counts as the base model's.
+        m.request_ended(Some(7), Outcome::Error);
+        assert_eq!(m.of(None).outcome(Outcome::Error).get(), 1);
     }
 
     #[test]

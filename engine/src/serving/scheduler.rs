@@ -113,6 +113,8 @@ pub struct SchedRequest {
     pub eos: Vec<u32>,
     /// Prefix-cache separation (namespace, adapter, salt).
     pub cache_key: CacheKey,
+    /// The LoRA adapter it runs under (an index into the runner's adapters).
+    pub adapter: Option<u16>,
 }
 
 /// Why a request cannot be added.
@@ -143,6 +145,14 @@ pub enum AddError {
     /// The id is taken.
     #[error("request id {0} is already in use")]
     DuplicateId(RequestId),
+    /// A LoRA adapter the model runner does not serve.
+    #[error("LoRA adapter {adapter} is not served (the runner has {served})")]
+    UnknownAdapter {
+        /// The index asked for.
+        adapter: u16,
+        /// Adapters the runner serves.
+        served: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -188,6 +198,8 @@ pub struct ScheduledSeq {
     pub block_table: Vec<u32>,
     /// Whether this chunk ends at the request's last token, so a token is sampled.
     pub samples: bool,
+    /// The request's LoRA adapter.
+    pub adapter: Option<u16>,
 }
 
 /// What to run this step.
@@ -222,6 +234,7 @@ impl SchedulerOutput {
                     } else {
                         LogitsWanted::None
                     },
+                    adapter: s.adapter,
                 })
                 .collect(),
         }
@@ -463,6 +476,7 @@ impl Scheduler {
             start_pos: start,
             block_table: self.blocks.block_table(id).to_vec(),
             samples: start + n == s.len(),
+            adapter: s.req.adapter,
         }
     }
 

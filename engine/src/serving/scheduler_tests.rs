@@ -91,6 +91,7 @@ fn req(id: RequestId, prompt: Vec<u32>, max_tokens: usize) -> SchedRequest {
         max_tokens,
         eos: vec![EOS],
         cache_key: CacheKey::default(),
+        adapter: None,
     }
 }
 

@@ -584,11 +584,13 @@ impl<D: Device> DeviceRunner<D> {
     /// Runs a validated, non-empty batch; returns the inputs (for the spans) and the
     /// number of logits rows computed.
     fn run(&mut self, batch: &Batch) -> Result<(StepInputs, usize), BackendError> {
+        // No LoRA on the device backend: `serve` refuses adapters with --device cuda,
+        // and a chunk naming one is refused here.
         validate_batch(
             batch,
             self.config.vocab,
-            self.device_config.block_size,
-            self.num_blocks,
+            (self.device_config.block_size, self.num_blocks),
+            0,
         )?;
         let bucket = self.bucket_of(batch);
         let inp = self.inputs(batch, bucket);
@@ -670,7 +672,12 @@ impl<D: Device> ModelRunner for DeviceRunner<D> {
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
         let vocab = self.config.vocab;
         if batch.seqs.is_empty() {
-            validate_batch(batch, vocab, self.device_config.block_size, self.num_blocks)?;
+            validate_batch(
+                batch,
+                vocab,
+                (self.device_config.block_size, self.num_blocks),
+                0,
+            )?;
             return Ok(Logits {
                 vocab,
                 ..Logits::default()

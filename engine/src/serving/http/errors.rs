@@ -29,9 +29,14 @@ pub enum ApiError {
     /// No such route on this port (404).
     #[error("no such endpoint: {0}")]
     NoRoute(String),
-    /// The model named is not served here (404).
-    #[error("model `{0}` does not exist; see /v1/models")]
-    UnknownModel(String),
+    /// The model named is not served here (404); the names that are.
+    #[error("model `{model}` does not exist; this server serves {}", served.join(", "))]
+    UnknownModel {
+        /// The name the request gave.
+        model: String,
+        /// The base model's and the LoRA adapters' names.
+        served: Vec<String>,
+    },
     /// The tenant is over its token rate (429, with Retry-After).
     #[error("{message}")]
     RateLimited {
@@ -79,7 +84,7 @@ impl ApiError {
         match self {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::UnknownModel(_) | Self::NoRoute(_) => StatusCode::NOT_FOUND,
+            Self::UnknownModel { .. } | Self::NoRoute(_) => StatusCode::NOT_FOUND,
             Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -109,7 +114,7 @@ impl IntoResponse for ApiError {
         let (kind, code, param) = match &self {
             Self::BadRequest { param, .. } => ("invalid_request_error", None, param.clone()),
             Self::TooLarge => ("invalid_request_error", Some("body_too_large"), None),
-            Self::UnknownModel(_) => ("invalid_request_error", Some("model_not_found"), None),
+            Self::UnknownModel { .. } => ("invalid_request_error", Some("model_not_found"), None),
             Self::NoRoute(_) => ("invalid_request_error", Some("not_found"), None),
             Self::RateLimited { .. } => ("rate_limit_error", Some("rate_limit_exceeded"), None),
             Self::Unavailable { .. } => ("service_unavailable", Some("unavailable"), None),

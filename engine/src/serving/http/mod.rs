@@ -16,6 +16,11 @@
 //!
 //! Tenants: the `Authorization: Bearer` key when there is one (a digest of it, never
 //! the key itself, is kept), else the `x-tenant` header; neither → no tenant limit.
+//!
+//! Served names: the base model's ([`ApiConfig::model_name`]) and one per LoRA
+//! adapter ([`ApiConfig::adapters`], as vLLM's `--lora-modules`); `/v1/models` and the
+//! load report list them all, a request's `model` picks one, and any other name is a
+//! 404 that lists them.
 
 mod errors;
 mod openai_types;
@@ -82,6 +87,9 @@ impl Default for FaultConfig {
 pub struct ApiConfig {
     /// Name served in `model` fields and `/v1/models`.
     pub model_name: String,
+    /// The served names of the LoRA adapters, in the runner's adapter order (a
+    /// request naming `adapters[i]` runs under the runner's adapter `i`).
+    pub adapters: Vec<String>,
     /// The release bundle hash served (`--release`), an attribute of every trace.
     pub release: String,
     /// KV namespace of this release (prefix-cache separation).
@@ -106,6 +114,7 @@ impl Default for ApiConfig {
     fn default() -> Self {
         Self {
             model_name: "model".into(),
+            adapters: Vec::new(),
             release: "dev".into(),
             kv_namespace: "default".into(),
             max_model_len: 2048,
@@ -131,7 +140,30 @@ impl ApiConfig {
         if !(0.0..=1.0).contains(&r) {
             return Err(format!("inject-error-rate must be in [0, 1], got {r}"));
         }
+        for (i, a) in self.adapters.iter().enumerate() {
+            if *a == self.model_name || self.adapters[..i].contains(a) {
+                return Err(format!(
+                    "LoRA adapter name {a:?} is served twice (adapters and the base model need names of their own)"
+                ));
+            }
+        }
+        if self.adapters.len() > usize::from(u16::MAX) {
+            return Err(format!(
+                "{} LoRA adapters; at most {}",
+                self.adapters.len(),
+                u16::MAX
+            ));
+        }
         Ok(())
+    }
+
+    /// Every name a request may give as `model`: the base model's, then the adapters'.
+    #[must_use]
+    pub fn served_names(&self) -> Vec<String> {
+        std::iter::once(&self.model_name)
+            .chain(&self.adapters)
+            .cloned()
+            .collect()
     }
 }
 
@@ -312,7 +344,7 @@ async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
     let m = &state.metrics;
     Json(LoadReport {
         release: state.config.release.clone(),
-        models: vec![state.config.model_name.clone()],
+        models: state.config.served_names(),
         running: usize::try_from(m.running.get()).unwrap_or(0),
         waiting: usize::try_from(m.waiting.get()).unwrap_or(0),
         context_blocks: usize::try_from(m.context_blocks.get()).unwrap_or(0),
@@ -322,10 +354,18 @@ async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
     })
 }
 
+/// The base model, then each LoRA adapter with the base as its `parent` (as vLLM
+/// lists its `--lora-modules`).
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{
-        "id": state.config.model_name, "object": "model", "created": 0, "owned_by": "slipway"
-    }]}))
+    let base = &state.config.model_name;
+    let data: Vec<Value> = std::iter::once(json!({
+        "id": base, "object": "model", "created": 0, "owned_by": "slipway", "root": base, "parent": null
+    }))
+    .chain(state.config.adapters.iter().map(|a| {
+        json!({"id": a, "object": "model", "created": 0, "owned_by": "slipway", "root": a, "parent": base})
+    }))
+    .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 /// The tenant of a request: a digest of its bearer key, else its `x-tenant`.
@@ -403,7 +443,7 @@ async fn run(
     let m = &state.metrics;
     // A request refused before it is tracked still reports its outcome on its span.
     let refused = |outcome: Outcome| {
-        m.request_ended(outcome);
+        m.request_ended(p.gen_req.adapter, outcome);
         tracing::Span::current().record("outcome", outcome.as_str());
     };
     tracing::Span::current().record("prompt_tokens", p.gen_req.prompt.len());
@@ -439,7 +479,12 @@ async fn run(
             return Err(r.into());
         }
     };
-    let mut tracker = Tracker::new(Arc::clone(m), state.config.slo, permit, arrived);
+    let mut tracker = Tracker::new(
+        (Arc::clone(m), p.gen_req.adapter),
+        state.config.slo,
+        permit,
+        arrived,
+    );
     if state.inject_fault() {
         tracker.finish(Outcome::Error);
         return Err(ApiError::Internal(

@@ -216,9 +216,20 @@ pub(super) fn prepare(
     c: Common,
     chat: bool,
 ) -> Result<Prepared, ApiError> {
-    if c.model != config.model_name {
-        return Err(ApiError::UnknownModel(c.model));
-    }
+    let adapter = if c.model == config.model_name {
+        None
+    } else {
+        match config.adapters.iter().position(|a| *a == c.model) {
+            // ApiConfig::validate keeps the count within u16.
+            Some(i) => Some(u16::try_from(i).unwrap_or(u16::MAX)),
+            None => {
+                return Err(ApiError::UnknownModel {
+                    model: c.model,
+                    served: config.served_names(),
+                });
+            }
+        }
+    };
     if let Some(n) = c.n
         && n != 1
     {
@@ -313,17 +324,19 @@ pub(super) fn prepare(
             } else {
                 eos.to_vec()
             },
+            // The engine writes the adapter's identity into the key itself.
             cache_key: CacheKey {
                 namespace: config.kv_namespace.clone(),
                 adapter: None,
                 salt: c.cache_salt,
             },
+            adapter,
         },
         stops,
         stream: c.stream,
         include_usage: c.stream_options.is_some_and(|o| o.include_usage),
         chat,
-        model: config.model_name.clone(),
+        model: c.model,
     })
 }
 

@@ -29,6 +29,8 @@ pub fn outcome_of(reason: FinishReason) -> Outcome {
 #[derive(Debug)]
 pub struct Tracker {
     metrics: Arc<ServingMetrics>,
+    /// The LoRA adapter the request names (its series' `adapter` label).
+    adapter: Option<u16>,
     slo: SloTargets,
     permit: Option<Permit>,
     arrived: Instant,
@@ -51,17 +53,18 @@ pub struct Usage {
 }
 
 impl Tracker {
-    /// Starts tracking a request that arrived at `arrived` and holds `permit`, in
-    /// the current (request) span.
+    /// Starts tracking a request to the base model or LoRA adapter `adapter` that
+    /// arrived at `arrived` and holds `permit`, in the current (request) span.
     #[must_use]
     pub fn new(
-        metrics: Arc<ServingMetrics>,
+        (metrics, adapter): (Arc<ServingMetrics>, Option<u16>),
         slo: SloTargets,
         permit: Permit,
         arrived: Instant,
     ) -> Self {
         Self {
             metrics,
+            adapter,
             slo,
             permit: Some(permit),
             arrived,
@@ -93,11 +96,13 @@ impl Tracker {
             None => {
                 self.first = Some(now);
                 self.metrics
+                    .of(self.adapter)
                     .ttft
                     .observe(now.duration_since(self.arrived).as_secs_f64());
             }
             Some(last) => self
                 .metrics
+                .of(self.adapter)
                 .inter_token
                 .observe(now.duration_since(last).as_secs_f64()),
         }
@@ -112,7 +117,7 @@ impl Tracker {
             return;
         }
         self.done = true;
-        self.metrics.request_ended(outcome);
+        self.metrics.request_ended(self.adapter, outcome);
         self.span.record("outcome", outcome.as_str());
         self.span.record("output_tokens", self.tokens);
         // Also the span's end: a trace span ends when it is last left, and a streamed
@@ -127,11 +132,11 @@ impl Tracker {
         let permit = self.permit.take();
         if outcome == Outcome::Ok {
             let e2e = Instant::now().duration_since(self.arrived);
-            self.metrics.e2e.observe(e2e.as_secs_f64());
+            self.metrics.of(self.adapter).e2e.observe(e2e.as_secs_f64());
             let ttft = self.first.map(|f| f.duration_since(self.arrived));
             let met = meets_slo(ttft, e2e, self.tokens, &self.slo);
             if met {
-                self.metrics.slo_met();
+                self.metrics.slo_met(self.adapter);
             }
             self.span.record("slo_met", met);
             if let Some(p) = &permit {
