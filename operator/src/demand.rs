@@ -306,6 +306,23 @@ impl DemandReader {
         targets: &[Target],
         now: &Time,
     ) -> Option<DemandReading> {
+        self.read_at(key, capacity, metrics, targets, now, Instant::now())
+            .await
+    }
+
+    /// [`DemandReader::read`] at `clock` on the monotonic clock (`now` is the same
+    /// moment on the wall clock, for the reading's `at`): a reading is reused until an
+    /// interval after it, and samples are stamped `clock`. Tests pass a later `clock`
+    /// instead of sleeping through the interval.
+    pub async fn read_at(
+        &self,
+        key: &str,
+        capacity: &CapacitySpec,
+        metrics: &MetricsSource,
+        targets: &[Target],
+        now: &Time,
+        clock: Instant,
+    ) -> Option<DemandReading> {
         let measured = capacity.demand.measured.as_ref()?;
         let windows = Windows::of(measured);
         if let Some((at, reading)) = self
@@ -313,7 +330,7 @@ impl DemandReader {
             .lock()
             .ok()
             .and_then(|e| e.get(key).and_then(|e| e.last.clone()))
-            && at.elapsed() < windows.interval()
+            && clock.saturating_duration_since(at) < windows.interval()
         {
             return Some(reading);
         }
@@ -329,7 +346,8 @@ impl DemandReader {
             // The router's counters are for canary analysis; demand is what the
             // engines were asked, rejections included, so it reads them.
             MetricsSourceKind::Scrape | MetricsSourceKind::Router => {
-                self.scrape(key, targets, &releases, &windows, unit).await
+                self.scrape(key, targets, &releases, &windows, unit, clock)
+                    .await
             }
         };
         let reading = match reading {
@@ -346,11 +364,11 @@ impl DemandReader {
         };
         if let Ok(mut entries) = self.entries.lock() {
             let entry = entries.entry(key.to_owned()).or_insert_with(|| Entry {
-                store: SampleStore::new(self.epoch.elapsed().as_secs_f64()),
+                store: SampleStore::new(self.seconds_at(clock)),
                 history: RateHistory::default(),
                 last: None,
             });
-            entry.last = Some((Instant::now(), reading.clone()));
+            entry.last = Some((clock, reading.clone()));
         }
         Some(reading)
     }
@@ -379,6 +397,11 @@ impl DemandReader {
         })
     }
 
+    /// Seconds from this reader's start to `clock`: the sample store's clock.
+    fn seconds_at(&self, clock: Instant) -> f64 {
+        clock.saturating_duration_since(self.epoch).as_secs_f64()
+    }
+
     async fn scrape(
         &self,
         key: &str,
@@ -386,6 +409,7 @@ impl DemandReader {
         releases: &[String],
         windows: &Windows,
         unit: DemandUnit,
+        clock: Instant,
     ) -> Result<DemandReading, String> {
         if targets.is_empty() {
             return Err("no engine pod is ready to be read".to_owned());
@@ -396,7 +420,7 @@ impl DemandReader {
             let why: Vec<&str> = scraped.failures.iter().map(|(_, w)| w.as_str()).collect();
             return Err(format!("engines unreadable: {}", why.join("; ")));
         }
-        let t = self.epoch.elapsed().as_secs_f64();
+        let t = self.seconds_at(clock);
         let mut entries = self
             .entries
             .lock()

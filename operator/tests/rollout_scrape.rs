@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use slipway_api::spec::AnalysisSpec;
 use slipway_engine::testing::{ServeProcess, engine_binary, model_path};
@@ -96,8 +96,9 @@ async fn scrape_reads_real_engines_and_a_slow_canary_burns_its_budget() {
     ];
     let spec = analysis();
     // First look before any request: both counters are seen from zero.
+    let t0 = Instant::now();
     let before = reader
-        .read("ml/svc", &spec, "canary0001", "stable0001", &targets)
+        .read_at("ml/svc", &spec, "canary0001", "stable0001", &targets, t0)
         .await;
     assert_eq!(before.error, None);
     let http = reqwest::Client::new();
@@ -105,10 +106,21 @@ async fn scrape_reads_real_engines_and_a_slow_canary_burns_its_budget() {
         complete(&http, stable.address()).await;
         complete(&http, canary.address()).await;
     }
-    // Readings are reused within the interval; the next one scrapes again.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Within the 1 s interval the first reading is reused; a reading one interval
+    // later scrapes again (each completion returned after the engine counted it).
+    let reused = reader
+        .read_at("ml/svc", &spec, "canary0001", "stable0001", &targets, t0)
+        .await;
+    assert_eq!(reused, before);
     let reading = reader
-        .read("ml/svc", &spec, "canary0001", "stable0001", &targets)
+        .read_at(
+            "ml/svc",
+            &spec,
+            "canary0001",
+            "stable0001",
+            &targets,
+            t0 + Duration::from_secs(1),
+        )
         .await;
     assert_eq!(reading.error, None);
     let canary_w = reading.canary.expect("canary windows");
@@ -202,25 +214,32 @@ async fn the_next_canary_reusing_a_pod_name_is_read_from_its_own_pod() {
         release: release.to_owned(),
     };
     let spec = analysis();
+    let t0 = Instant::now();
     let first = [pod("uid-1", "10.0.0.2", "canary0001")];
     let reading = reader
-        .read("ml/svc", &spec, "canary0001", "stable0001", &first)
+        .read_at("ml/svc", &spec, "canary0001", "stable0001", &first, t0)
         .await;
     assert_eq!(reading.error, None);
     assert!(reading.canary.is_some(), "{reading:?}");
 
     let next = [pod("uid-2", "10.0.0.3", "canary0002")];
     let before = reader
-        .read("ml/svc", &spec, "canary0002", "stable0001", &next)
+        .read_at("ml/svc", &spec, "canary0002", "stable0001", &next, t0)
         .await;
     assert_eq!(before.error, None);
     let http = reqwest::Client::new();
     for _ in 0..REQUESTS {
         complete(&http, new.address()).await;
     }
-    tokio::time::sleep(Duration::from_millis(1100)).await;
     let reading = reader
-        .read("ml/svc", &spec, "canary0002", "stable0001", &next)
+        .read_at(
+            "ml/svc",
+            &spec,
+            "canary0002",
+            "stable0001",
+            &next,
+            t0 + Duration::from_secs(1),
+        )
         .await;
     let canary = reading
         .canary
@@ -260,28 +279,30 @@ async fn measured_demand_reads_a_real_engines_requests_and_tokens() {
         spec.demand_unit = unit;
         spec
     };
-    let now = || Time(Timestamp::now());
+    let now = Time(Timestamp::now());
+    let t0 = Instant::now();
+    // The next reading, one 5 s interval later.
+    let t1 = t0 + Duration::from_secs(5);
     let metrics = MetricsSource::default();
     let (requests, tokens) = (
         spec(DemandUnit::RequestsPerSecond),
         spec(DemandUnit::OutputTokensPerSecond),
     );
     let first = reader
-        .read("ml/req", &requests, &metrics, &targets, &now())
+        .read_at("ml/req", &requests, &metrics, &targets, &now, t0)
         .await
         .expect("measured");
     assert_eq!((first.current, first.missing.as_deref()), (0.0, None));
     reader
-        .read("ml/tok", &tokens, &metrics, &targets, &now())
+        .read_at("ml/tok", &tokens, &metrics, &targets, &now, t0)
         .await
         .expect("measured");
     let http = reqwest::Client::new();
     for _ in 0..6 {
         complete(&http, engine.address()).await;
     }
-    tokio::time::sleep(Duration::from_millis(5100)).await;
     let reading = reader
-        .read("ml/req", &requests, &metrics, &targets, &now())
+        .read_at("ml/req", &requests, &metrics, &targets, &now, t1)
         .await
         .expect("measured");
     assert_eq!(reading.missing, None, "{reading:?}");
@@ -292,7 +313,7 @@ async fn measured_demand_reads_a_real_engines_requests_and_tokens() {
     assert_eq!(reading.peak, reading.current);
     assert_eq!(reading.source, "scrape of 1 engine pod");
     let reading = reader
-        .read("ml/tok", &tokens, &metrics, &targets, &now())
+        .read_at("ml/tok", &tokens, &metrics, &targets, &now, t1)
         .await
         .expect("measured");
     assert!(

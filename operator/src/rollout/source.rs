@@ -615,13 +615,29 @@ impl Reader {
         stable: &str,
         targets: &[Target],
     ) -> MetricsReading {
+        self.read_at(key, analysis, canary, stable, targets, Instant::now())
+            .await
+    }
+
+    /// [`Reader::read`] at `now` on the monotonic clock: a reading is reused until an
+    /// analysis interval after it, and samples are stamped `now`. Tests pass a later
+    /// `now` instead of sleeping through the interval.
+    pub async fn read_at(
+        &self,
+        key: &str,
+        analysis: &AnalysisSpec,
+        canary: &str,
+        stable: &str,
+        targets: &[Target],
+        now: Instant,
+    ) -> MetricsReading {
         let interval = duration::parse(&analysis.interval).unwrap_or(Duration::from_secs(30));
         if let Some((at, c, s, reading)) = self
             .entries
             .lock()
             .ok()
             .and_then(|e| e.get(key).and_then(|e| e.last.clone()))
-            && at.elapsed() < interval
+            && now.saturating_duration_since(at) < interval
             && c == canary
             && s == stable
         {
@@ -636,11 +652,11 @@ impl Reader {
                 Some(p) => self.prometheus(&p.url, canary, stable, windows).await,
                 None => Err("metrics.source Prometheus without metrics.prometheus.url".to_owned()),
             },
-            MetricsSourceKind::Scrape => {
-                Ok(self.scrape(key, canary, stable, windows, targets).await)
-            }
+            MetricsSourceKind::Scrape => Ok(self
+                .scrape(key, canary, stable, windows, targets, now)
+                .await),
             MetricsSourceKind::Router => Ok(self
-                .scrape_routers(key, canary, stable, windows, targets)
+                .scrape_routers(key, canary, stable, windows, targets, now)
                 .await),
         };
         let reading = reading.unwrap_or_else(|error| MetricsReading {
@@ -650,15 +666,10 @@ impl Reader {
         });
         if let Ok(mut entries) = self.entries.lock() {
             let entry = entries.entry(key.to_owned()).or_insert_with(|| Entry {
-                store: SampleStore::new(self.epoch.elapsed().as_secs_f64()),
+                store: SampleStore::new(self.seconds_at(now)),
                 last: None,
             });
-            entry.last = Some((
-                Instant::now(),
-                canary.to_owned(),
-                stable.to_owned(),
-                reading.clone(),
-            ));
+            entry.last = Some((now, canary.to_owned(), stable.to_owned(), reading.clone()));
         }
         reading
     }
@@ -703,6 +714,7 @@ impl Reader {
         stable: &str,
         windows: (Duration, Duration),
         routers: &[Target],
+        now: Instant,
     ) -> MetricsReading {
         let scraped = self
             .scraper
@@ -716,7 +728,7 @@ impl Reader {
             // A router that could not be read holds part of the traffic: not evidence.
             Some(scraped.failures.join("; "))
         };
-        self.windows_of(key, canary, stable, windows, scraped.counters, error)
+        self.windows_of(key, canary, stable, windows, scraped.counters, error, now)
     }
 
     /// The `Scrape` source: one series per engine pod.
@@ -727,6 +739,7 @@ impl Reader {
         stable: &str,
         windows: (Duration, Duration),
         targets: &[Target],
+        now: Instant,
     ) -> MetricsReading {
         let scraped = self.scraper.scrape(targets).await;
         // Any unreadable canary pod makes the reading incomplete: not evidence.
@@ -747,7 +760,12 @@ impl Reader {
             .into_iter()
             .map(|(target, counters)| (target.uid.clone(), target.release.clone(), counters))
             .collect();
-        self.windows_of(key, canary, stable, windows, samples, error)
+        self.windows_of(key, canary, stable, windows, samples, error, now)
+    }
+
+    /// Seconds from this reader's start to `now`: the sample stores' clock.
+    fn seconds_at(&self, now: Instant) -> f64 {
+        now.saturating_duration_since(self.epoch).as_secs_f64()
     }
 
     /// Records one round of `(series, release, counters)` samples in the service's
@@ -760,8 +778,9 @@ impl Reader {
         (short, long): (Duration, Duration),
         samples: Vec<(String, String, Counters)>,
         error: Option<String>,
+        now: Instant,
     ) -> MetricsReading {
-        let t = self.epoch.elapsed().as_secs_f64();
+        let t = self.seconds_at(now);
         let Ok(mut entries) = self.entries.lock() else {
             return MetricsReading {
                 canary_release: canary.to_owned(),
