@@ -14,7 +14,8 @@
 //! 1. a bad bundle (canary engine with `--inject-delay-ms`, breaking the TPOT target) is
 //!    rolled back within two analysis intervals after its windows fill, with the burn
 //!    rates in `status.lastRollback`, `RolledBack=True`, and a `RolledBack` event;
-//! 2. re-applying the failed spec does not restart the rollout;
+//! 2. re-applying the failed spec, or editing it outside its bundle, does not restart
+//!    the rollout (checked once `status.observedGeneration` shows the edit);
 //! 3. a healthy bundle (a changed bundle, so a new rollout) passes every step (0, 1, 2
 //!    seen in status; two step advances in the events) and is promoted to stable;
 //! 4. a canary with too little traffic (two requests, `minRequests` 8) is held as
@@ -512,6 +513,16 @@ impl Ctx {
         Ok(self.isvcs.get(ISVC).await?.data["status"].clone())
     }
 
+    /// `metadata.generation`: bumped by every change of the spec.
+    async fn generation(&self) -> anyhow::Result<i64> {
+        self.isvcs
+            .get(ISVC)
+            .await?
+            .metadata
+            .generation
+            .context("the InferenceService has no metadata.generation")
+    }
+
     /// Polls the status every 250 ms until `found` yields, for at most `timeout`.
     /// Between polls `tick` runs (checks the processes are alive).
     async fn until<T>(
@@ -775,12 +786,25 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
         "expected one RolledBack event naming {h2}: {events:?}"
     );
 
-    // --- Re-applying the failed spec (GitOps) does not restart the rollout. ---
+    // --- Re-applying the failed spec (GitOps) does not restart the rollout, nor does an
+    // edit outside the bundle. The annotation alone leaves the generation as it is, so
+    // the edit (a longer progressDeadline, which matters only during a rollout) bumps
+    // it: once `status.observedGeneration` reaches it, the operator has reconciled the
+    // re-applied object, with no sleeping. ---
     let mut reapplied = bad_spec.clone();
     reapplied["metadata"]["annotations"] = json!({"e2e.slipway.dev/reapplied": "1"});
     ctx.apply(&reapplied).await?;
-    tokio::time::sleep(Duration::from_secs(3 * INTERVAL_S)).await;
-    let status = ctx.status().await?;
+    reapplied["spec"]["rollout"]["progressDeadline"] = json!("11m");
+    ctx.apply(&reapplied).await?;
+    let generation = ctx.generation().await?;
+    let status = ctx
+        .until(
+            "the operator to observe the re-applied spec",
+            Duration::from_secs(60),
+            || Ok(()),
+            |s| (s["observedGeneration"].as_i64() >= Some(generation)).then(|| s.clone()),
+        )
+        .await?;
     ensure!(
         status["canaryRelease"].is_null() && status["stableRelease"] == h1.as_str(),
         "re-applying the failed spec restarted the rollout: {status}"
