@@ -7,7 +7,7 @@
 
 .PHONY: check-kernels test-gpu bench-gpu gpu-stage
 
-check-kernels: ## compile every engine/kernels/*.cu with NVRTC (PyPI wheel) for sm_90, ptxas registers/spills per kernel; build and lint --features cuda
+check-kernels: ## compile every kernels/*.cu with NVRTC (PyPI wheel) for sm_90, ptxas registers/spills per kernel; build and lint --features cuda
 	@engine/scripts/check-kernels
 	$(CARGO) clippy -p slipway-engine --features cuda --all-targets --locked -- -D warnings
 

@@ -1,7 +1,7 @@
 //! [`CudaDevice`]: the [`Device`] on an NVIDIA GPU through cudarc (dynamic loading:
 //! the crate builds with no CUDA installed; the driver and NVRTC are looked up at run
-//! time). One context, one stream; every kernel of `engine/kernels/` compiled by NVRTC
-//! for the device's architecture once, at [`CudaDevice::open`].
+//! time). One context, one stream; every kernel of the top-level `kernels/` compiled
+//! by NVRTC for the device's architecture once, at [`CudaDevice::open`].
 //!
 //! Decode steps are recorded as CUDA graphs ([`Device::begin_capture`]) on that stream
 //! and replayed; recorded launches hold the buffer pointers and integer arguments of

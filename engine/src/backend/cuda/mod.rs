@@ -1,5 +1,5 @@
-//! The GPU backend: CUDA kernels (`engine/kernels/*.cu`, compiled by NVRTC at start-up)
-//! behind the same [`crate::backend::ModelRunner`] trait as the CPU backend.
+//! The GPU backend: CUDA kernels (the top-level `kernels/*.cu`, compiled by NVRTC at
+//! start-up) behind the same [`crate::backend::ModelRunner`] trait as the CPU backend.
 //!
 //! - [`twin`]: the CPU twin of every kernel (same arguments and layouts, plain Rust);
 //! - [`device`]: the [`device::Device`] trait the forward pass is written against, and

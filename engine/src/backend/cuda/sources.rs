@@ -3,43 +3,43 @@
 //! check-kernels runs in CI): each file is compiled as `prelude.cuh` + the file.
 
 /// Helpers every kernel file uses (f16 conversion, block formats, reductions).
-pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
+pub const PRELUDE: &str = include_str!("../../../../kernels/prelude.cuh");
 
 /// `(file name, source)` of every kernel file, and the entry points it defines.
 pub const KERNEL_FILES: &[(&str, &str, &[&str])] = &[
     (
         "embed.cu",
-        include_str!("../../../kernels/embed.cu"),
+        include_str!("../../../../kernels/embed.cu"),
         &["embed_q8_0", "embed_q4_1"],
     ),
     (
         "rmsnorm.cu",
-        include_str!("../../../kernels/rmsnorm.cu"),
+        include_str!("../../../../kernels/rmsnorm.cu"),
         &["rms_norm", "add_rms_norm"],
     ),
     (
         "matmul.cu",
-        include_str!("../../../kernels/matmul.cu"),
+        include_str!("../../../../kernels/matmul.cu"),
         &["matvec_q4_1", "matvec_q8_0", "matmul_q4_1", "matmul_q8_0"],
     ),
     (
         "rope_kv.cu",
-        include_str!("../../../kernels/rope_kv.cu"),
+        include_str!("../../../../kernels/rope_kv.cu"),
         &["rope_store_kv"],
     ),
     (
         "attention.cu",
-        include_str!("../../../kernels/attention.cu"),
+        include_str!("../../../../kernels/attention.cu"),
         &["paged_attention"],
     ),
     (
         "silu_mul.cu",
-        include_str!("../../../kernels/silu_mul.cu"),
+        include_str!("../../../../kernels/silu_mul.cu"),
         &["silu_mul", "add"],
     ),
     (
         "sample.cu",
-        include_str!("../../../kernels/sample.cu"),
+        include_str!("../../../../kernels/sample.cu"),
         &["argmax_rows", "sample_top_k_top_p"],
     ),
 ];
@@ -68,13 +68,13 @@ pub fn nvrtc_options(major: i32, minor: i32) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// Every `.cu` file in `engine/kernels/` is compiled by the backend, and every
-    /// entry point a file lists is defined in it.
+    /// Every `.cu` file in the top-level `kernels/` is compiled by the backend, and
+    /// every entry point a file lists is defined in it.
     #[test]
     fn every_kernel_file_is_listed_with_its_entry_points() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels");
         let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
-            .expect("engine/kernels")
+            .expect("kernels/ at the repository root")
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n.ends_with(".cu"))
