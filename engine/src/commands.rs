@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use clap::Args;
 use slipway_engine::backend::ModelRunner as _;
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
-use slipway_engine::bench::{self, BenchConfig};
+use slipway_engine::model_bench::{self, BenchConfig};
 use slipway_engine::generate::{generate, perplexity, score};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
@@ -265,7 +265,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
         config.blocks_needed(block_size) * block_size,
         1,
     )?;
-    let report = bench::run(&mut runner, &config)?;
+    let report = model_bench::run(&mut runner, &config)?;
     let agg: serde_json::Map<String, serde_json::Value> = report
         .aggregate_tps
         .iter()

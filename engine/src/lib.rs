@@ -6,17 +6,18 @@
 //! - [`kv`]: paged key/value storage; [`serving`]: the engine actor (scheduler, block
 //!   manager, prefix cache, admission) and its HTTP API.
 //! - [`generate`]: single-sequence generation and scoring (CLI, oracle tests);
-//!   [`bench`]: `make bench-model`'s throughput shapes, beside llama.cpp's.
+//!   [`model_bench`]: `make bench-model`'s throughput shapes, beside llama.cpp's (the
+//!   load generator is the separate `slipway-bench` crate).
 //! - [`fetch`]: staging a model file (the pod's init container); [`testing`]: helpers
 //!   the tests of this and other crates share.
 
 pub mod backend;
-pub mod bench;
 pub mod fetch;
 pub mod generate;
 pub mod kernels;
 pub mod kv;
 pub mod model;
+pub mod model_bench;
 pub mod sampling;
 pub mod serving;
 pub mod template;
