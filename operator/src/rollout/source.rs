@@ -575,6 +575,14 @@ struct Entry {
     last: Option<(Instant, String, String, MetricsReading)>,
 }
 
+/// One round of reads: `(series, release, counters)` samples, why the round is
+/// incomplete (if it is), and when it was taken.
+struct Round {
+    samples: Vec<(String, String, Counters)>,
+    error: Option<String>,
+    at: Instant,
+}
+
 /// Reads metrics for rollouts; one per operator, shared by reconciles. Readings are
 /// reused within an analysis interval, so the status write a reading causes does not
 /// make the next reconcile read (and write) again.
@@ -728,7 +736,12 @@ impl Reader {
             // A router that could not be read holds part of the traffic: not evidence.
             Some(scraped.failures.join("; "))
         };
-        self.windows_of(key, canary, stable, windows, scraped.counters, error, now)
+        let round = Round {
+            samples: scraped.counters,
+            error,
+            at: now,
+        };
+        self.windows_of(key, canary, stable, windows, round)
     }
 
     /// The `Scrape` source: one series per engine pod.
@@ -760,7 +773,12 @@ impl Reader {
             .into_iter()
             .map(|(target, counters)| (target.uid.clone(), target.release.clone(), counters))
             .collect();
-        self.windows_of(key, canary, stable, windows, samples, error, now)
+        let round = Round {
+            samples,
+            error,
+            at: now,
+        };
+        self.windows_of(key, canary, stable, windows, round)
     }
 
     /// Seconds from this reader's start to `now`: the sample stores' clock.
@@ -768,19 +786,17 @@ impl Reader {
         now.saturating_duration_since(self.epoch).as_secs_f64()
     }
 
-    /// Records one round of `(series, release, counters)` samples in the service's
-    /// store and reads both releases' windows from it.
+    /// Records one round of samples in the service's store and reads both releases'
+    /// windows from it.
     fn windows_of(
         &self,
         key: &str,
         canary: &str,
         stable: &str,
         (short, long): (Duration, Duration),
-        samples: Vec<(String, String, Counters)>,
-        error: Option<String>,
-        now: Instant,
+        Round { samples, error, at }: Round,
     ) -> MetricsReading {
-        let t = self.seconds_at(now);
+        let t = self.seconds_at(at);
         let Ok(mut entries) = self.entries.lock() else {
             return MetricsReading {
                 canary_release: canary.to_owned(),
