@@ -129,6 +129,11 @@ pub struct InferenceServiceSpec {
 ).message(
     "a new model must not share KV/prefix-cache entries with the old one: when model, tokenizer or adapters change, change kvNamespace too (or leave it unset to derive it from the release hash)"
 ))]
+// The engine applies LoRA adapters on its CPU backend only (it refuses them on CUDA at
+// start-up); refused here so the user hears it at apply time, not from a crashing pod.
+#[x_kube(validation = Rule::new(
+    "!has(self.adapters) || size(self.adapters) == 0 || !has(self.engine.device) || self.engine.device != 'CUDA'"
+).message("adapters are served on device CPU only for now: the CUDA backend does not apply LoRA adapters yet"))]
 pub struct ReleaseBundle {
     /// The model weights.
     pub model: ModelSource,

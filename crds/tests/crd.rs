@@ -326,6 +326,18 @@ fn invalid_objects_are_rejected_with_their_message() {
             "adapter names must be unique",
         ),
         (
+            "adapters on CUDA",
+            with(
+                &["spec", "release"],
+                json!({
+                    "model": {"uri": "/m.gguf"},
+                    "adapters": [{"name": "a", "uri": "/a.gguf"}],
+                    "engine": {"image": "e:1", "device": "CUDA"},
+                }),
+            ),
+            "adapters are served on device CPU only for now",
+        ),
+        (
             "a Gateway named twice without listeners",
             with(
                 &["spec", "router", "httpRoute", "parentRefs"],

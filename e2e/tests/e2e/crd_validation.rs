@@ -237,6 +237,17 @@ fn invalid_cases() -> Vec<InvalidCase> {
             Cel("adapter names must be unique"),
         ),
         case(
+            "adapters need the CPU backend",
+            vec![
+                (
+                    "/spec/release/adapters",
+                    json!([{ "name": "a", "uri": "file:///a.gguf" }]),
+                ),
+                ("/spec/release/engine/device", json!("CUDA")),
+            ],
+            Cel("adapters are served on device CPU only for now"),
+        ),
+        case(
             "adapter name format",
             vec![("/spec/release/adapters/0/name", json!("-bad-"))],
             Cel("adapter name must be lowercase letters, digits, '-' or '.'"),
