@@ -203,12 +203,15 @@ mod tests {
     fn digests_join_their_adapters() {
         let hex = "ab".repeat(32);
         let digest: NamedSha256 = format!("sql={hex}").parse().unwrap();
-        let adapters =
-            lora_adapters(&[module("sql=/a"), module("chat=/b")], &[digest.clone()]).unwrap();
+        let adapters = lora_adapters(
+            &[module("sql=/a"), module("chat=/b")],
+            std::slice::from_ref(&digest),
+        )
+        .unwrap();
         assert_eq!(adapters[0].sha256.map(|d| d.to_string()), Some(hex.clone()));
         assert_eq!(adapters[1].sha256, None);
         assert_eq!(
-            lora_adapters(&[module("chat=/b")], &[digest.clone()]),
+            lora_adapters(&[module("chat=/b")], std::slice::from_ref(&digest)),
             Err(LoraArgsError::UnknownDigest("sql".into()))
         );
         assert_eq!(
