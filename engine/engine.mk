@@ -45,6 +45,14 @@ test-serve-smoke: model ## test-gpu's serve check on the CPU: streaming chat und
 model: ## fetch (once) and sha256-verify the SmolLM2-135M-Instruct Q4_1 GGUF into $SLIPWAY_CACHE/models; prints its path
 	@$(ENGINE_SCRIPTS)/fetch-model
 
+.PHONY: lora-adapter
+# The LoRA tests read the adapter from the cache and llama.cpp's outputs with it from
+# engine/tests/fixtures/ (checked in; llama.cpp is needed only to re-record them), so
+# the test targets write the adapter first, as they fetch the model.
+test-unit: lora-adapter
+lora-adapter: model ## write (once) the deterministic test LoRA adapter into $SLIPWAY_CACHE/models, checked against the fixture's sha256; prints its path
+	@$(ENGINE_SCRIPTS)/make-lora-adapter
+
 # Fuzzing needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
 # Its builds get their own target dir: sanitizer builds share nothing with the
 # workspace's and would only contend for its lock.
