@@ -9,6 +9,9 @@
 //!   `~/.cache/slipway`), which is where `engine/scripts/fetch-model` puts it.
 //! - Oracle: `shared/oracle/` beside the repository clone (`<repo>/../shared`), as
 //!   CI lays it out.
+//! - LoRA adapter: `$SLIPWAY_LORA_ADAPTER`, else `$SLIPWAY_CACHE/models/<file>`, where
+//!   `make lora-adapter` writes it; llama.cpp's outputs with it are checked in under
+//!   `engine/tests/fixtures/` (see the README there).
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +21,18 @@ use crate::template::ChatMessage;
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// File name of llama.cpp's reference outputs for it.
 pub const ORACLE_FILE: &str = "smollm2-q4_1-llamacpp.json";
+/// File name of the test LoRA adapter (random, rank 8; `engine/scripts/make-lora-adapter`).
+pub const LORA_ADAPTER_FILE: &str = "smollm2-lora-test.gguf";
+/// File name of llama.cpp's reference outputs for the test model with that adapter.
+pub const LORA_ORACLE_FILE: &str = "smollm2-lora-llamacpp.json";
+
+/// The cache `engine/scripts/fetch-model` and `make lora-adapter` write to.
+fn cache_dir() -> PathBuf {
+    std::env::var_os("SLIPWAY_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/slipway")))
+        .unwrap_or_else(|| PathBuf::from(".cache/slipway"))
+}
 
 /// Path of the real test model.
 ///
@@ -34,17 +49,41 @@ pub fn model_path() -> PathBuf {
         );
         return p;
     }
-    let cache = std::env::var_os("SLIPWAY_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/slipway")))
-        .unwrap_or_else(|| PathBuf::from(".cache/slipway"));
-    let p = cache.join("models").join(MODEL_FILE);
+    let p = cache_dir().join("models").join(MODEL_FILE);
     assert!(
         p.is_file(),
         "test model not found at {}: run `make model` (or set SLIPWAY_MODEL)",
         p.display()
     );
     p
+}
+
+/// Path of the test LoRA adapter for the test model.
+///
+/// # Panics
+/// If the adapter is not where `SLIPWAY_LORA_ADAPTER` or the cache says.
+#[must_use]
+pub fn lora_adapter_path() -> PathBuf {
+    let p = std::env::var_os("SLIPWAY_LORA_ADAPTER").map_or_else(
+        || cache_dir().join("models").join(LORA_ADAPTER_FILE),
+        PathBuf::from,
+    );
+    assert!(
+        p.is_file(),
+        "test LoRA adapter not found at {}: run `make lora-adapter` (or set SLIPWAY_LORA_ADAPTER)",
+        p.display()
+    );
+    p
+}
+
+/// Path of llama.cpp's reference outputs with the test adapter, checked in at
+/// `engine/tests/fixtures/`: the [`Oracle`] format plus `adapter_sha256` and
+/// `adapter` (how it was made); see the README beside it.
+#[must_use]
+pub fn lora_oracle_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(LORA_ORACLE_FILE)
 }
 
 /// `slipway-engine` in the calling test's target directory (`target/<profile>/`), for
