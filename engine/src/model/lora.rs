@@ -240,15 +240,17 @@ impl LoraError {
     }
 }
 
-/// One adapted weight: `A` (`rank × cols`) and `B` (`rows × rank`), row-major f32,
-/// with the scale applied to `B (A x)`.
+/// One adapted weight: `A` (`rank × cols`) and `B` (`rows × rank`), f32, with the
+/// scale applied to `B (A x)`. `B` is kept transposed (`rank × rows`), so the expand
+/// runs along the output row (`Σ_k t_k · Bᵀ_k`, vectorizable) instead of a
+/// rank-long dot product per output.
 #[derive(Clone, Debug)]
 pub struct LoraPair {
     rank: usize,
     cols: usize,
     rows: usize,
     a: Vec<f32>,
-    b: Vec<f32>,
+    bt: Vec<f32>,
     scale: f32,
 }
 
@@ -268,12 +270,18 @@ impl LoraPair {
     ) -> Self {
         assert_eq!(a.len(), rank * cols, "lora_a is rank × cols");
         assert_eq!(b.len(), rows * rank, "lora_b is rows × rank");
+        let mut bt = vec![0f32; rank * rows];
+        for (j, bj) in b.chunks_exact(rank).enumerate() {
+            for (k, &v) in bj.iter().enumerate() {
+                bt[k * rows + j] = v;
+            }
+        }
         Self {
             rank,
             cols,
             rows,
             a,
-            b,
+            bt,
             scale,
         }
     }
@@ -310,28 +318,47 @@ impl LoraPair {
     /// When the slices do not hold the same number of rows of those widths.
     pub fn add_rows(&self, x: &[f32], out: &mut [f32], out_width: usize, offset: usize) {
         assert!(offset + self.rows <= out_width, "LoRA output past the row");
-        assert_eq!(
-            x.len() / self.cols,
-            out.len() / out_width,
-            "row counts differ"
-        );
+        let n = x.len() / self.cols;
+        assert_eq!(n, out.len() / out_width, "row counts differ");
+        let scratch = || (vec![0f32; self.rank], vec![0f32; self.rows]);
+        // A decode segment's few rows cost less than handing them to the pool.
+        if n * self.rank * (self.cols + self.rows) < PARALLEL_WORK {
+            let mut s = scratch();
+            for (o, xr) in out
+                .chunks_exact_mut(out_width)
+                .zip(x.chunks_exact(self.cols))
+            {
+                self.add_row(xr, &mut s, &mut o[offset..offset + self.rows]);
+            }
+            return;
+        }
         out.par_chunks_mut(out_width)
             .zip(x.par_chunks(self.cols))
-            .for_each_init(
-                || vec![0f32; self.rank],
-                |t, (o, xr)| self.add_row(xr, t, &mut o[offset..offset + self.rows]),
-            );
+            .for_each_init(scratch, |s, (o, xr)| {
+                self.add_row(xr, s, &mut o[offset..offset + self.rows]);
+            });
     }
 
-    fn add_row(&self, x: &[f32], t: &mut [f32], out: &mut [f32]) {
+    /// One row: shrink `t = A x`, expand `d = Bᵀᵀ t` (summed over `k` in order), then
+    /// `out += scale · d`.
+    fn add_row(&self, x: &[f32], (t, d): &mut (Vec<f32>, Vec<f32>), out: &mut [f32]) {
         for (tk, ak) in t.iter_mut().zip(self.a.chunks_exact(self.cols)) {
             *tk = dot(ak, x);
         }
-        for (o, bj) in out.iter_mut().zip(self.b.chunks_exact(self.rank)) {
-            *o += self.scale * dot(bj, t);
+        d.fill(0.0);
+        for (&tk, btk) in t.iter().zip(self.bt.chunks_exact(self.rows)) {
+            for (dj, &b) in d.iter_mut().zip(btk) {
+                *dj += tk * b;
+            }
+        }
+        for (o, dj) in out.iter_mut().zip(d.iter()) {
+            *o += self.scale * dj;
         }
     }
 }
+
+/// Multiply-adds below which a segment's rows run on the calling thread.
+const PARALLEL_WORK: usize = 1 << 18;
 
 /// A dot product with eight partial sums combined in a fixed order: fast enough to
 /// vectorize, and the same for a row whatever batch it is in.
