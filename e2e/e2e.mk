@@ -12,7 +12,7 @@ e2e-build: ## compile etcd, kube-*, kubectl, kwok, kubelet, containerd, pause fr
 e2e-images: ## only the engine/operator/router/pause OCI images the real nodes run (release build as the Dockerfile's)
 	$(E2E_CLUSTER)/build-images
 
-e2e: e2e-build model ## bring the control plane up (building it if needed), run the e2e tests, tear it down
+e2e: e2e-build model lora-adapter ## bring the control plane up (building it if needed), run the e2e tests, tear it down
 	$(CARGO) test --locked -p slipway-e2e
 
 e2e-up: ## bring a cluster up by hand and print the KUBECONFIG to export; `make e2e` reuses it

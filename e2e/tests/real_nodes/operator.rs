@@ -1,6 +1,6 @@
 //! The operator's own pods on the real nodes: the CPU sample (on real nodes, its
-//! model from a `pvc://` claim) becomes Ready through the kubelet's probes and
-//! answers; a group drains its in-flight streams when its pod is deleted; a slow
+//! model and a LoRA adapter from a `pvc://` claim) becomes Ready through the
+//! kubelet's probes and answers as the base model and as the adapter; a group drains its in-flight streams when its pod is deleted; a slow
 //! canary is rolled back on real pods while serving never drops below N_healthy; a
 //! killed engine recreates its group; a stopped kubelet loses its zone, and the
 //! cluster recovers when it comes back; measured demand adds and removes groups
@@ -185,8 +185,37 @@ async fn ensure_on_real_nodes(running: &Running) -> anyhow::Result<Vec<Pod>> {
     Ok(pods)
 }
 
+/// The test LoRA adapter (`make lora-adapter`) as a release adapter on the model
+/// claim, with the digest its llama.cpp oracle recorded: the engine verifies it.
+fn claim_adapter() -> anyhow::Result<Value> {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../engine/tests/fixtures/smollm2-lora-llamacpp.json"
+    );
+    let oracle: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture).with_context(|| format!("reading {fixture}"))?,
+    )
+    .with_context(|| format!("parsing {fixture}"))?;
+    let sha256 = oracle["adapter_sha256"]
+        .as_str()
+        .with_context(|| format!("{fixture} has no adapter_sha256"))?;
+    Ok(json!({
+        "name": LORA_ADAPTER,
+        "uri": format!("pvc://{}/{LORA_ADAPTER_FILE}", real_nodes::MODEL_CLAIM),
+        "sha256": sha256,
+    }))
+}
+
+/// The adapter's model name, and its file in the model cache.
+const LORA_ADAPTER: &str = "lora-test";
+const LORA_ADAPTER_FILE: &str = "smollm2-lora-test.gguf";
+
 pub async fn cpu_sample_is_ready_on_real_nodes_and_answers(env: Arc<Env>) -> anyhow::Result<()> {
-    let running = Running::start(&env, real_sample("")?).await?;
+    // With a LoRA adapter from the model's claim: the operator stages it, the engine
+    // verifies and loads it, and a request naming it is answered by it.
+    let mut isvc = real_sample("")?;
+    isvc["spec"]["release"]["adapters"] = json!([claim_adapter()?]);
+    let running = Running::start(&env, isvc).await?;
     let pods = ensure_on_real_nodes(&running).await?;
     // Readiness came from the kubelets' probes of /ready.
     for pod in &pods {
@@ -230,7 +259,12 @@ pub async fn cpu_sample_is_ready_on_real_nodes_and_answers(env: Arc<Env>) -> any
         model == served,
         "the engine answered as {model:?}, not the served model name {served:?}"
     );
-    tracing::info!(endpoint = %ready[0].ip, %text, "\n{}", running.kubectl_get_wide(&env));
+    let (model, adapted) = chat(&http()?, &ready[0].ip, LORA_ADAPTER).await?;
+    ensure!(
+        model == LORA_ADAPTER,
+        "a request naming the adapter was answered as {model:?}"
+    );
+    tracing::info!(endpoint = %ready[0].ip, %text, %adapted, "\n{}", running.kubectl_get_wide(&env));
     Ok(())
 }
 
