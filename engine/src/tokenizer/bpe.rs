@@ -26,26 +26,21 @@ impl ByteAlphabet {
     /// Builds GPT-2's `bytes_to_unicode` table.
     #[must_use]
     pub fn gpt2() -> Self {
-        let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        let mut to_char = ['\0'; 256];
-        let mut next = 256u32;
-        for b in 0..=255u8 {
-            to_char[usize::from(b)] = if printable(b) {
-                char::from(b)
-            } else {
-                let c = char::from_u32(next).unwrap_or('\u{FFFD}');
-                next += 1;
-                c
-            };
-        }
+        let to_char: [char; 256] = std::array::from_fn(|b| Self::gpt2_char(b as u8));
         let to_byte = (0..=255u8).map(|b| (to_char[usize::from(b)], b)).collect();
         Self { to_char, to_byte }
     }
 
-    /// The stand-in character of byte `b`.
+    /// GPT-2's stand-in character for byte `b`: printable Latin-1 bytes stand for
+    /// themselves, the others are U+0100.. in byte order.
     #[must_use]
-    pub fn char_of(&self, b: u8) -> char {
-        self.to_char[usize::from(b)]
+    pub fn gpt2_char(b: u8) -> char {
+        let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        if printable(b) {
+            return char::from(b);
+        }
+        let below = (0..b).filter(|&x| !printable(x)).count() as u32;
+        char::from_u32(256 + below).unwrap_or('\u{FFFD}')
     }
 
     /// Rewrites `text`'s UTF-8 bytes in the alphabet.

@@ -1,50 +1,60 @@
-//! The tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
+//! Tokenizers: text to token ids and back, with the special tokens generation stops
+//! on. Two vocabularies are supported, behind one [`Tokenizer`]:
 //!
-//! Supported: byte-level BPE vocabularies (`tokenizer.ggml.model = "gpt2"`) with the
-//! pre-tokenizers in [`pretokenize`]. The behaviour reproduces llama.cpp's
-//! `llama_tokenize(..., parse_special = true)` exactly, because llama.cpp's ids are
-//! our reference (see `engine/tests/tokenizer_oracle.rs`):
+//! - the GGUF's own (`tokenizer.ggml.*`, `gguf.rs`): a port of llama.cpp's byte-level
+//!   BPE tokenizer, token for token, because llama.cpp's ids are our reference (see
+//!   `engine/tests/tokenizer_oracle.rs`);
+//! - a Hugging Face `tokenizer.json` from the release bundle (`serve --tokenizer`,
+//!   `hugging_face.rs`), run by the maintained `tokenizers` crate.
 //!
-//! 1. Special-token partition (`tokenizer_st_partition`): every token typed
-//!    CONTROL, USER_DEFINED or UNKNOWN is searched for in the raw text, longest
-//!    first; each occurrence becomes that token and splits the text around it.
-//! 2. Each remaining text fragment is pre-tokenized, each word is rewritten in
-//!    GPT-2's byte alphabet and BPE-merged ([`bpe`]); a final symbol missing from
-//!    the vocabulary falls back to single-character tokens, as llama.cpp does
-//!    (a byte with no token of its own is dropped; see [`Tokenizer::byte_token`]).
-//! 3. With `add_special`, BOS/EOS are added only where the metadata says so
-//!    (`tokenizer.ggml.add_bos_token` / `add_eos_token`; llama.cpp's default for
-//!    BPE vocabularies is neither).
+//! Whichever encodes, the special tokens are resolved one way, from the GGUF's
+//! metadata (`SpecialTokens`): BOS, EOS and EOT are the model's ids
+//! (`tokenizer.ggml.*_token_id`, the ids it was trained to emit), and must exist in
+//! the vocabulary in use; the end-of-generation set adds the tokens llama.cpp
+//! recognises by text (`<|im_end|>`, `<|endoftext|>`, ...), looked up in that
+//! vocabulary. [`Tokenizer::for_model`] also checks that every id the vocabulary
+//! can produce has a row in the model's embedding.
 //!
-//! Beyond the oracle prompts, `engine/scripts/diff-tokenizer` compares us with a
-//! running llama-server on random text built to stress the splitter (mixed
+//! Beyond the oracle prompts, `engine/scripts/diff-tokenizer` compares the GGUF port
+//! with a running llama-server on random text built to stress the splitter (mixed
 //! scripts, digits, whitespace runs, ZWJ emoji, special-token fragments): 2,300
-//! strings, no difference, against the llama.cpp of llama-cpp-python's sdist.
+//! strings, no difference, against the llama.cpp of llama-cpp-python's sdist. A
+//! `tokenizer.json` built from the GGUF ([`tokenizer_json`]) gives the same ids on
+//! the oracle prompts and 2,000 random strings
+//! (`engine/tests/tokenizer_json.rs`).
 //!
-//! Why not the `tokenizers` crate: it could be assembled from these pieces (a BPE
-//! model from tokens + merges, a ByteLevel pre-tokenizer), but its pre-tokenizer
-//! is a regex (`\s+(?!\S)` evaluated by a regex engine over the whole fragment),
-//! and it has no notion of llama.cpp's two-stage `\p{N}`-then-GPT-2 split, whose
-//! piece boundaries change the result (e.g. spaces before a digit). Matching
-//! llama.cpp token for token means porting llama.cpp's splitter; once that is
-//! done, the BPE loop is a page of code and the crate would add a large
-//! dependency for nothing.
+//! Why the GGUF path is a port rather than the `tokenizers` crate fed the GGUF's
+//! tokens: llama.cpp drops a byte that has no token *while keeping it as a merge
+//! barrier*, where the crate drops it *before* merging, so the two differ on text
+//! holding such a byte (SmolLM2 lacks six C0 controls, e.g. U+0004); and llama.cpp's
+//! special-token partition (longest token first over the whole text, where the crate
+//! takes the leftmost longest match) and pre-tokenizer are hand-written scanners whose
+//! matching order only a port reproduces for every vocabulary.
 //!
 //! Not ported: the LSTRIP/RSTRIP attributes llama.cpp hard-codes for a few model
-//! names (jina, phi-3), and SentencePiece (`llama`) vocabularies; both are refused
-//! or unaffected for the models we load.
+//! names (jina, phi-3), and SentencePiece (`llama`) GGUF vocabularies; both are
+//! refused or unaffected for the models we load.
 
 mod bpe;
 pub mod decode;
+mod gguf;
+mod hugging_face;
 pub mod pretokenize;
+pub mod tokenizer_json;
 
-use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
-use crate::model::gguf::{GgufError, Metadata};
+use crate::fetch::{Sha256Digest, VerifyError, verify_file};
+use crate::model::gguf::{GgufError, GgufFile, Metadata};
 pub use decode::IncrementalDecoder;
+use gguf::GgufVocab;
+use hugging_face::HfVocab;
 pub use pretokenize::PreTokenizer;
 
-/// Errors building a tokenizer or decoding ids.
+/// The embedding whose rows the token ids index.
+const EMBEDDING_TENSOR: &str = "token_embd.weight";
+
+/// Errors building a tokenizer, encoding or decoding.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error(transparent)]
@@ -57,6 +67,30 @@ pub enum TokenizerError {
     Inconsistent(&'static str),
     #[error("token id {0} is outside the vocabulary")]
     UnknownToken(u32),
+    #[error("the model's {key} ({id}) is not in the tokenizer's vocabulary")]
+    SpecialTokenMissing { key: &'static str, id: u32 },
+    #[error(
+        "the tokenizer's vocabulary has ids up to {}, but the model's embedding ({EMBEDDING_TENSOR}) has {embedding_rows} rows: the tokenizer is not this model's",
+        ids - 1
+    )]
+    VocabularyTooLarge { ids: usize, embedding_rows: usize },
+    /// The file is not the one the release names (`--tokenizer-sha256`): `serve`
+    /// exits with [`slipway_contract::exit::MODEL_REJECTED`], as for the model.
+    #[error("the tokenizer is not the release's")]
+    Rejected(#[source] VerifyError),
+    // The causes below are in the message and not also a `source`, so `serve`'s
+    // `Error: ...` line (an error chain printed in full) does not say them twice.
+    #[error("reading {}: {error}", path.display())]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("tokenizer.json cannot be used: {0}")]
+    TokenizerJson(tokenizers::Error),
+    #[error("encoding failed: {0}")]
+    Encode(tokenizers::Error),
+    #[error("decoding failed: {0}")]
+    Decode(tokenizers::Error),
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -95,7 +129,8 @@ impl TokenType {
 /// How to encode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EncodeOptions {
-    /// Add BOS/EOS where the vocabulary's metadata asks for them.
+    /// Add BOS/EOS where the vocabulary asks for them (the GGUF's
+    /// `add_bos_token`/`add_eos_token`, or a `tokenizer.json`'s post-processor).
     pub add_special: bool,
     /// Recognise special-token text (`<|im_start|>`) as those tokens. Off, only
     /// USER_DEFINED tokens are recognised (as in llama.cpp).
@@ -119,23 +154,34 @@ pub struct DecodeOptions {
     pub skip_special: bool,
 }
 
-/// A vocabulary with its merges and special-token rules.
+/// A vocabulary with the model's special tokens.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
-    tokens: Vec<String>,
-    types: Vec<TokenType>,
-    by_text: HashMap<String, u32>,
-    merges: bpe::Merges,
-    alphabet: bpe::ByteAlphabet,
-    pre: PreTokenizer,
-    /// Tokens matched in raw text, longest text first (ties by id, so the order
-    /// is deterministic where llama.cpp's unstable sort is not).
-    specials: Vec<u32>,
+    vocab: Vocab,
+    special: SpecialTokens,
+}
+
+/// Which vocabulary encodes and decodes.
+// One per process (shared behind an `Arc`): boxing a variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+enum Vocab {
+    Gguf(GgufVocab),
+    HuggingFace(HfVocab),
+}
+
+/// The model's special tokens, resolved from GGUF metadata whichever vocabulary is
+/// in use.
+#[derive(Debug, Clone)]
+struct SpecialTokens {
     bos: Option<u32>,
     eos: Option<u32>,
+    /// Sorted, no duplicates.
+    eog: Vec<u32>,
+    /// The GGUF's `add_bos_token`/`add_eos_token` (a `tokenizer.json` has its own
+    /// post-processor instead).
     add_bos: bool,
     add_eos: bool,
-    eog: Vec<u32>,
 }
 
 /// Token texts llama.cpp treats as end-of-generation wherever they appear in a
@@ -153,156 +199,215 @@ const EOG_TEXTS: &[&str] = &[
     "<end_of_utterance>",
 ];
 
-impl Tokenizer {
-    /// Builds the tokenizer from GGUF metadata.
-    ///
-    /// # Errors
-    /// Missing or mistyped keys, an unsupported tokenizer model or pre-tokenizer,
-    /// or ids in the metadata that are outside the vocabulary.
-    pub fn from_metadata(md: &Metadata) -> Result<Self, TokenizerError> {
-        let model = md.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.to_owned()));
-        }
-        // llama.cpp falls back to "default" when the key is absent, whose rules
-        // differ again; refuse rather than guess.
-        let pre_name = md.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
-        let pre = PreTokenizer::from_name(pre_name)
-            .ok_or_else(|| TokenizerError::UnsupportedPreTokenizer(pre_name.to_owned()))?;
-
-        let tokens = md.get_str_array("tokenizer.ggml.tokens")?.to_vec();
-        if tokens.is_empty() || u32::try_from(tokens.len()).is_err() {
-            return Err(TokenizerError::Inconsistent(
-                "vocabulary is empty or too large",
-            ));
-        }
-        let types: Vec<TokenType> = match md.get("tokenizer.ggml.token_type") {
-            None => vec![TokenType::Normal; tokens.len()],
-            Some(_) => md
-                .get_i32_array("tokenizer.ggml.token_type")?
-                .iter()
-                .map(|&t| TokenType::from_i32(t))
-                .collect(),
-        };
-        if types.len() != tokens.len() {
-            return Err(TokenizerError::Inconsistent(
-                "token_type and tokens have different lengths",
-            ));
-        }
-        let merges = bpe::Merges::new(md.get_str_array("tokenizer.ggml.merges")?);
-
-        // Like llama.cpp's token_to_id map: a duplicated text maps to its last id.
-        let by_text: HashMap<String, u32> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-
-        let id_key = |key: &str| -> Result<Option<u32>, TokenizerError> {
+impl SpecialTokens {
+    /// Reads BOS/EOS/EOT ids and the add flags from `md`; `has_id` and `lookup` ask
+    /// the vocabulary in use whether an id exists and which id a text has.
+    fn resolve(
+        md: &Metadata,
+        has_id: impl Fn(u32) -> bool,
+        lookup: impl Fn(&str) -> Option<u32>,
+    ) -> Result<Self, TokenizerError> {
+        let id_key = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
             match md.get_u32_opt(key)? {
-                Some(id) if id as usize >= tokens.len() => Err(TokenizerError::Inconsistent(
-                    "a special token id is outside the vocabulary",
-                )),
+                Some(id) if !has_id(id) => Err(TokenizerError::SpecialTokenMissing { key, id }),
                 other => Ok(other),
             }
         };
         let bos = id_key("tokenizer.ggml.bos_token_id")?;
         let eos = id_key("tokenizer.ggml.eos_token_id")?;
         let eot = id_key("tokenizer.ggml.eot_token_id")?;
-        let add_bos = md
-            .get_bool_opt("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(false);
-        let add_eos = md
-            .get_bool_opt("tokenizer.ggml.add_eos_token")?
-            .unwrap_or(false);
-
         let mut eog: Vec<u32> = EOG_TEXTS
             .iter()
-            .filter_map(|t| by_text.get(*t).copied())
+            .filter_map(|t| lookup(t))
             .chain(eos)
             .chain(eot)
             .collect();
         eog.sort_unstable();
         eog.dedup();
-
-        let mut specials: Vec<u32> = (0..tokens.len() as u32)
-            .filter(|&id| {
-                types[id as usize].is_matched_in_text() && !tokens[id as usize].is_empty()
-            })
-            .collect();
-        specials.sort_by_key(|&id| (std::cmp::Reverse(tokens[id as usize].len()), id));
-
-        tracing::debug!(
-            vocab = tokens.len(),
-            pre = pre_name,
-            specials = specials.len(),
-            add_bos,
-            add_eos,
-            "built tokenizer"
-        );
         Ok(Self {
-            tokens,
-            types,
-            by_text,
-            merges,
-            alphabet: bpe::ByteAlphabet::gpt2(),
-            pre,
-            specials,
             bos,
             eos,
-            add_bos,
-            add_eos,
             eog,
+            add_bos: md
+                .get_bool_opt("tokenizer.ggml.add_bos_token")?
+                .unwrap_or(false),
+            add_eos: md
+                .get_bool_opt("tokenizer.ggml.add_eos_token")?
+                .unwrap_or(false),
+        })
+    }
+}
+
+impl Tokenizer {
+    /// The GGUF's own vocabulary, from its metadata.
+    ///
+    /// # Errors
+    /// Missing or mistyped keys, an unsupported tokenizer model or pre-tokenizer,
+    /// or special-token ids in the metadata that are outside the vocabulary.
+    pub fn from_metadata(md: &Metadata) -> Result<Self, TokenizerError> {
+        let vocab = GgufVocab::from_metadata(md)?;
+        let special =
+            SpecialTokens::resolve(md, |id| (id as usize) < vocab.len(), |t| vocab.token_id(t))?;
+        Ok(Self {
+            vocab: Vocab::Gguf(vocab),
+            special,
         })
     }
 
-    /// Number of tokens in the vocabulary.
+    /// A Hugging Face `tokenizer.json` (its content) instead of the GGUF's
+    /// vocabulary, with the special tokens of the GGUF's metadata `md`.
+    ///
+    /// # Errors
+    /// A file the `tokenizers` crate cannot load, or a special-token id of the
+    /// model that the file does not define.
+    pub fn from_tokenizer_json(md: &Metadata, json: &[u8]) -> Result<Self, TokenizerError> {
+        let vocab = HfVocab::from_json(json)?;
+        let special = SpecialTokens::resolve(
+            md,
+            |id| vocab.token_text(id).is_some(),
+            |t| vocab.token_id(t),
+        )?;
+        // The model was trained on the GGUF's ids; a file that names them otherwise
+        // is probably another model's (the ids still decide, e.g. where to stop).
+        if let Ok(gguf_tokens) = md.get_str_array("tokenizer.ggml.tokens") {
+            for id in special.bos.iter().chain(&special.eos) {
+                let ours = gguf_tokens.get(*id as usize).map(String::as_str);
+                let theirs = vocab.token_text(*id);
+                if ours.is_some() && ours != theirs {
+                    tracing::warn!(
+                        id,
+                        gguf = ours,
+                        tokenizer_json = theirs,
+                        "tokenizer.json names a special token of the model differently"
+                    );
+                }
+            }
+        }
+        Ok(Self {
+            vocab: Vocab::HuggingFace(vocab),
+            special,
+        })
+    }
+
+    /// The tokenizer `serve` uses for the model `file`: its own vocabulary, or the
+    /// `tokenizer.json` at `tokenizer_json` (first verified against `sha256` when
+    /// given, with the helper that verifies the model), checked to fit the model's
+    /// embedding.
+    ///
+    /// # Errors
+    /// Those of [`Tokenizer::from_metadata`] / [`Tokenizer::from_tokenizer_json`],
+    /// [`TokenizerError::Rejected`], an unreadable file, or
+    /// [`TokenizerError::VocabularyTooLarge`].
+    pub fn for_model(
+        file: &GgufFile,
+        tokenizer_json: Option<&Path>,
+        sha256: Option<&Sha256Digest>,
+    ) -> Result<Self, TokenizerError> {
+        let md = file.metadata();
+        let tokenizer = match tokenizer_json {
+            None => Self::from_metadata(md)?,
+            Some(path) => {
+                if let Some(expected) = sha256 {
+                    let bytes = verify_file(path, expected).map_err(TokenizerError::Rejected)?;
+                    tracing::info!(tokenizer = %path.display(), bytes, "tokenizer sha256 verified");
+                }
+                let json = std::fs::read(path).map_err(|error| TokenizerError::Read {
+                    path: path.to_owned(),
+                    error,
+                })?;
+                Self::from_tokenizer_json(md, &json)?
+            }
+        };
+        let rows = file
+            .tensor_info(EMBEDDING_TENSOR)
+            .and_then(|t| t.dims.get(1))
+            .ok_or_else(|| GgufError::MissingTensor(EMBEDDING_TENSOR.into()))?;
+        tokenizer.check_fits_embedding(usize::try_from(*rows).unwrap_or(usize::MAX))?;
+        Ok(tokenizer)
+    }
+
+    /// Checks that every id the vocabulary defines indexes one of `embedding_rows`
+    /// rows.
+    ///
+    /// # Errors
+    /// [`TokenizerError::VocabularyTooLarge`] with both numbers.
+    pub fn check_fits_embedding(&self, embedding_rows: usize) -> Result<(), TokenizerError> {
+        let ids = self.vocab_size();
+        if ids > embedding_rows {
+            return Err(TokenizerError::VocabularyTooLarge {
+                ids,
+                embedding_rows,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether this is a `tokenizer.json` rather than the GGUF's vocabulary.
+    #[must_use]
+    pub fn is_tokenizer_json(&self) -> bool {
+        matches!(self.vocab, Vocab::HuggingFace(_))
+    }
+
+    /// Number of ids the vocabulary uses (one past the largest).
     #[must_use]
     pub fn vocab_size(&self) -> usize {
-        self.tokens.len()
+        match &self.vocab {
+            Vocab::Gguf(v) => v.len(),
+            Vocab::HuggingFace(v) => v.len(),
+        }
     }
 
     /// The stored text of a token (in the byte alphabet for normal tokens).
     #[must_use]
     pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.tokens.get(id as usize).map(String::as_str)
+        match &self.vocab {
+            Vocab::Gguf(v) => v.token_text(id),
+            Vocab::HuggingFace(v) => v.token_text(id),
+        }
     }
 
-    /// The type of a token.
+    /// The type of a token (for a `tokenizer.json`: its special added tokens are
+    /// CONTROL, its other added tokens USER_DEFINED, the rest NORMAL).
     #[must_use]
     pub fn token_type(&self, id: u32) -> Option<TokenType> {
-        self.types.get(id as usize).copied()
+        match &self.vocab {
+            Vocab::Gguf(v) => v.token_type(id),
+            Vocab::HuggingFace(v) => v.token_type(id),
+        }
     }
 
     /// The id of a token with exactly this stored text.
     #[must_use]
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.by_text.get(text).copied()
+        match &self.vocab {
+            Vocab::Gguf(v) => v.token_id(text),
+            Vocab::HuggingFace(v) => v.token_id(text),
+        }
     }
 
-    /// Beginning-of-sequence token, if the vocabulary names one.
+    /// Beginning-of-sequence token, if the model names one.
     #[must_use]
     pub fn bos(&self) -> Option<u32> {
-        self.bos
+        self.special.bos
     }
 
-    /// End-of-sequence token, if the vocabulary names one.
+    /// End-of-sequence token, if the model names one.
     #[must_use]
     pub fn eos(&self) -> Option<u32> {
-        self.eos
+        self.special.eos
     }
 
-    /// The token that stands for the raw byte `b`, if the vocabulary has one.
-    /// Text containing a byte without one cannot round-trip: the byte is dropped,
-    /// exactly as llama.cpp drops it (SmolLM2 lacks e.g. 0x04, 0x13, 0x1D and the
-    /// lead bytes 0xF1/0xF2 of planes 4 to 11).
+    /// The token that stands for the raw byte `b` in a byte-level vocabulary, if it
+    /// has one. Text containing a byte without one cannot round-trip: the byte is
+    /// dropped, exactly as llama.cpp drops it (SmolLM2 lacks e.g. 0x04, 0x13, 0x1D
+    /// and the lead bytes 0xF1/0xF2 of planes 4 to 11).
     #[must_use]
     pub fn byte_token(&self, b: u8) -> Option<u32> {
-        self.token_id(self.alphabet.char_of(b).encode_utf8(&mut [0; 4]))
+        self.token_id(bpe::ByteAlphabet::gpt2_char(b).encode_utf8(&mut [0; 4]))
     }
 
-    /// Whether `decode(encode(text)) == text` is guaranteed: every byte of `text`
-    /// has a byte token.
+    /// Whether `decode(encode(text)) == text` is guaranteed (byte-level
+    /// vocabularies): every byte of `text` has a byte token.
     #[must_use]
     pub fn can_round_trip(&self, text: &str) -> bool {
         text.bytes().all(|b| self.byte_token(b).is_some())
@@ -312,108 +417,62 @@ impl Tokenizer {
     /// tokens llama.cpp recognises by text, e.g. `<|im_end|>` and `<|endoftext|>`).
     #[must_use]
     pub fn is_eog(&self, id: u32) -> bool {
-        self.eog.binary_search(&id).is_ok()
+        self.special.eog.binary_search(&id).is_ok()
     }
 
     /// All end-of-generation ids, sorted.
     #[must_use]
     pub fn eog_tokens(&self) -> &[u32] {
-        &self.eog
+        &self.special.eog
     }
 
     /// Encodes with [`EncodeOptions::default`] (special tokens parsed, BOS/EOS as
-    /// the metadata says).
+    /// the vocabulary says).
     #[must_use]
     pub fn encode(&self, text: &str) -> Vec<u32> {
         self.encode_with(text, EncodeOptions::default())
     }
 
-    /// Encodes `text`.
+    /// Encodes `text`. The GGUF's vocabulary cannot fail; a `tokenizer.json` can
+    /// (see [`Tokenizer::try_encode_with`]), and then the failure is logged and the
+    /// result is empty, which every caller refuses as an empty prompt.
     #[must_use]
     pub fn encode_with(&self, text: &str, options: EncodeOptions) -> Vec<u32> {
-        let mut out = Vec::new();
-        if options.add_special && self.add_bos {
-            out.extend(self.bos);
-        }
-        for fragment in self.partition(text, options.parse_special) {
-            match fragment {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(t) => self.encode_text(t, &mut out),
-            }
-        }
-        if options.add_special && self.add_eos {
-            out.extend(self.eos);
-        }
-        out
+        self.try_encode_with(text, options).unwrap_or_else(|error| {
+            tracing::warn!(%error, bytes = text.len(), "a text could not be tokenized");
+            Vec::new()
+        })
     }
 
-    /// Splits raw text at special-token occurrences, longest tokens first.
-    fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
-        if text.is_empty() {
-            return Vec::new();
-        }
-        let mut fragments = vec![Fragment::Text(text)];
-        for &id in &self.specials {
-            let ty = self.types[id as usize];
-            if !parse_special && ty != TokenType::UserDefined {
-                continue;
-            }
-            let needle = self.tokens[id as usize].as_str();
-            // Cheap pre-check: most specials appear in no fragment.
-            if !fragments
-                .iter()
-                .any(|f| matches!(f, Fragment::Text(t) if t.contains(needle)))
-            {
-                continue;
-            }
-            let mut next = Vec::with_capacity(fragments.len() + 2);
-            for f in fragments {
-                let Fragment::Text(mut t) = f else {
-                    next.push(f);
-                    continue;
-                };
-                while let Some(at) = t.find(needle) {
-                    if at > 0 {
-                        next.push(Fragment::Text(&t[..at]));
-                    }
-                    next.push(Fragment::Token(id));
-                    t = &t[at + needle.len()..];
+    /// Encodes `text`.
+    ///
+    /// # Errors
+    /// Only with a `tokenizer.json`: [`TokenizerError::Encode`], e.g. a
+    /// pre-tokenizer regex past its backtracking limit.
+    pub fn try_encode_with(
+        &self,
+        text: &str,
+        options: EncodeOptions,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        match &self.vocab {
+            Vocab::Gguf(v) => {
+                let mut out = Vec::new();
+                if options.add_special && self.special.add_bos {
+                    out.extend(self.special.bos);
                 }
-                if !t.is_empty() {
-                    next.push(Fragment::Text(t));
+                v.encode_into(text, options.parse_special, &mut out);
+                if options.add_special && self.special.add_eos {
+                    out.extend(self.special.eos);
                 }
+                Ok(out)
             }
-            fragments = next;
-        }
-        fragments
-    }
-
-    fn encode_text(&self, text: &str, out: &mut Vec<u32>) {
-        for word in self.pre.split(text) {
-            let encoded = self.alphabet.encode(&text[word]);
-            for sym in self.merges.apply(&encoded) {
-                let sym = &encoded[sym];
-                match self.by_text.get(sym) {
-                    Some(&id) => out.push(id),
-                    // llama.cpp's fallback: look up each byte of the symbol's
-                    // (alphabet-encoded) UTF-8 as a one-byte token text; skip misses.
-                    None => {
-                        for b in sym.bytes() {
-                            let one = [b];
-                            if let Some(&id) = std::str::from_utf8(&one)
-                                .ok()
-                                .and_then(|s| self.by_text.get(s))
-                            {
-                                out.push(id);
-                            }
-                        }
-                    }
-                }
-            }
+            Vocab::HuggingFace(v) => v.encode(text, options),
         }
     }
 
-    /// Appends the bytes token `id` renders as.
+    /// Appends the bytes token `id` renders as. For a `tokenizer.json`, whose
+    /// decoder works on text, these are the UTF-8 of the token decoded alone (a
+    /// partial character is U+FFFD); streaming goes through [`IncrementalDecoder`].
     ///
     /// # Errors
     /// [`TokenizerError::UnknownToken`] for an id outside the vocabulary.
@@ -423,25 +482,17 @@ impl Tokenizer {
         options: DecodeOptions,
         out: &mut Vec<u8>,
     ) -> Result<(), TokenizerError> {
-        let text = self
-            .tokens
-            .get(id as usize)
-            .ok_or(TokenizerError::UnknownToken(id))?;
-        // llama.cpp's token_to_piece for BPE vocabularies with special = !skip.
-        match self.types[id as usize] {
-            TokenType::Normal => self.alphabet.decode_into(text, out),
-            TokenType::UserDefined => out.extend_from_slice(text.as_bytes()),
-            TokenType::Control | TokenType::Unknown => {
-                if !options.skip_special {
-                    out.extend_from_slice(text.as_bytes());
-                }
+        match &self.vocab {
+            Vocab::Gguf(v) => v.append_token_bytes(id, options.skip_special, out),
+            Vocab::HuggingFace(v) => {
+                out.extend_from_slice(v.decode(&[id], options.skip_special)?.as_bytes());
+                Ok(())
             }
-            TokenType::Unused | TokenType::Byte | TokenType::Undefined => {}
         }
-        Ok(())
     }
 
-    /// The bytes of a sequence of tokens.
+    /// The bytes of a sequence of tokens (for a `tokenizer.json`: of its decoded
+    /// text).
     ///
     /// # Errors
     /// [`TokenizerError::UnknownToken`] for an id outside the vocabulary.
@@ -450,11 +501,16 @@ impl Tokenizer {
         ids: &[u32],
         options: DecodeOptions,
     ) -> Result<Vec<u8>, TokenizerError> {
-        let mut out = Vec::new();
-        for &id in ids {
-            self.append_token_bytes(id, options, &mut out)?;
+        match &self.vocab {
+            Vocab::Gguf(v) => {
+                let mut out = Vec::new();
+                for &id in ids {
+                    v.append_token_bytes(id, options.skip_special, &mut out)?;
+                }
+                Ok(out)
+            }
+            Vocab::HuggingFace(v) => Ok(v.decode(ids, options.skip_special)?.into_bytes()),
         }
-        Ok(out)
     }
 
     /// Decodes ids to text, special tokens included; invalid UTF-8 (a sequence cut
@@ -475,18 +531,17 @@ impl Tokenizer {
         ids: &[u32],
         options: DecodeOptions,
     ) -> Result<String, TokenizerError> {
-        let bytes = self.decode_bytes(ids, options)?;
-        Ok(match String::from_utf8(bytes) {
-            Ok(s) => s,
-            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
-        })
+        match &self.vocab {
+            Vocab::Gguf(_) => {
+                let bytes = self.decode_bytes(ids, options)?;
+                Ok(match String::from_utf8(bytes) {
+                    Ok(s) => s,
+                    Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+                })
+            }
+            Vocab::HuggingFace(v) => v.decode(ids, options.skip_special),
+        }
     }
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Fragment<'t> {
-    Text(&'t str),
-    Token(u32),
 }
 
 #[cfg(test)]

@@ -8,7 +8,6 @@ use crate::model::gguf::{Array, Value};
 
 /// A vocabulary with all 256 byte tokens, a few merges, and special tokens.
 fn tiny(add_bos: bool) -> Tokenizer {
-    let alphabet = bpe::ByteAlphabet::gpt2();
     let mut tokens: Vec<String> = vec![
         "<|endoftext|>".into(),
         "<|im_start|>".into(),
@@ -16,7 +15,7 @@ fn tiny(add_bos: bool) -> Tokenizer {
     ];
     let mut types = vec![3, 3, 3];
     for b in 0..=255u8 {
-        tokens.push(alphabet.char_of(b).to_string());
+        tokens.push(bpe::ByteAlphabet::gpt2_char(b).to_string());
         types.push(1);
     }
     let merges = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or"];
