@@ -9,7 +9,9 @@
 //!    the real `slipway-engine` binary (the image's entrypoint) with the container's
 //!    args and env and nothing else in its environment. Only what must differ on
 //!    this machine is remapped: the model path (to the real model, whose sha256 the
-//!    engine verifies against the sample's), and the address (loopback, a free port)
+//!    engine verifies against the sample's), each LoRA adapter's path (to the test
+//!    adapter, with its digest where the sample gives one: the engine loads and
+//!    verifies adapters at start-up), and the address (loopback, a free port)
 //!    instead of all the pod's addresses on 8000. Then:
 //!    - its readiness path (the pod's startup probe) answers 200 within the startup
 //!      probe's budget;
@@ -31,8 +33,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
 use slipway_api::InferenceService;
 use slipway_api::spec::Device;
-use slipway_contract::{EngineCommand, ServeArgs, exit};
-use slipway_engine::testing::{ServeProcess, engine_binary, finish_reason, model_path, read_sse};
+use slipway_contract::{EngineCommand, LoraModule, NamedSha256, ServeArgs, exit};
+use slipway_engine::fetch::file_sha256;
+use slipway_engine::testing::{
+    ServeProcess, engine_binary, finish_reason, lora_adapter_path, model_path, read_sse,
+};
 use slipway_operator::observed::Observed;
 use slipway_operator::plan::{Child as PlanChild, plan};
 
@@ -83,8 +88,26 @@ fn every_samples_pods_run_containers_the_engine_accepts() {
 
 /// Starts the container's command with only what this machine needs remapped.
 fn start(container: &Container, serve: &ServeArgs) -> ServeProcess {
+    let adapter = lora_adapter_path();
+    let (adapter_sha256, _) = file_sha256(&adapter).expect("hashing the test adapter");
     let local = ServeArgs {
         model: model_path(),
+        lora: serve
+            .lora
+            .iter()
+            .map(|m| LoraModule {
+                name: m.name.clone(),
+                path: adapter.clone(),
+            })
+            .collect(),
+        lora_sha256: serve
+            .lora_sha256
+            .iter()
+            .map(|d| NamedSha256 {
+                name: d.name.clone(),
+                sha256: adapter_sha256,
+            })
+            .collect(),
         host: IpAddr::V4(Ipv4Addr::LOCALHOST),
         port: 0,
         ..serve.clone()
