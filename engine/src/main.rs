@@ -42,6 +42,10 @@ enum Command {
     /// Turn text into the model's token ids (special tokens such as
     /// <|im_start|> are recognised; BOS/EOS are added as the model's metadata says).
     Tokenize(TokenizeArgs),
+    /// Write the GGUF's vocabulary as an equivalent Hugging Face tokenizer.json on
+    /// stdout (for `serve --tokenizer` tests; engine/scripts/make-tokenizer-json).
+    #[command(hide = true)]
+    TokenizerJson(ModelArgs),
     /// Generate a continuation of a prompt (greedy by default).
     Generate(commands::GenerateArgs),
     /// Teacher-forced scoring: per position the actual next token's log-probability,
@@ -103,6 +107,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Tokenize(args) => run_tokenize(&args),
+        Command::TokenizerJson(args) => run_tokenizer_json(&args),
         Command::Generate(args) => commands::run_generate(&args),
         Command::Score(args) => commands::run_score(&args),
         Command::Bench(args) => commands::run_bench(&args),
@@ -168,5 +173,13 @@ fn run_tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+fn run_tokenizer_json(args: &ModelArgs) -> anyhow::Result<()> {
+    let file = GgufFile::open(&args.model)?;
+    let json = slipway_engine::tokenizer::tokenizer_json::from_metadata(file.metadata())
+        .with_context(|| format!("writing the vocabulary of {}", args.model.display()))?;
+    println!("{json}");
     Ok(())
 }
