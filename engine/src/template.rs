@@ -37,10 +37,13 @@ pub enum TemplateError {
     Gguf(#[from] GgufError),
     #[error("the model has no chat template ({CHAT_TEMPLATE_KEY} is missing)")]
     Missing,
-    #[error("chat template does not compile: {0:#}")]
-    Compile(#[source] Error),
-    #[error("chat template failed to render: {0:#}")]
-    Render(#[source] Error),
+    // minijinja's message is in the text and not also a `source`: an error chain
+    // printer would repeat it. Its plain form is one line (the alternate form adds a
+    // source listing), so `serve`'s last `Error: ...` line carries all of it.
+    #[error("chat template does not compile: {0}")]
+    Compile(Error),
+    #[error("chat template failed to render: {0}")]
+    Render(Error),
 }
 
 /// One chat message.
@@ -59,6 +62,16 @@ impl ChatMessage {
             content: content.into(),
         }
     }
+}
+
+/// The conversation every template is rendered on at start-up: a system and a user
+/// message.
+#[must_use]
+pub fn startup_conversation() -> [ChatMessage; 2] {
+    [
+        ChatMessage::new("system", "You are a helpful assistant."),
+        ChatMessage::new("user", "Hello!"),
+    ]
 }
 
 /// Rendering options.
@@ -101,12 +114,73 @@ impl ChatTemplate {
         let source = md
             .get_str_opt(CHAT_TEMPLATE_KEY)?
             .ok_or(TemplateError::Missing)?;
+        Self::with_tokenizer(source, tokenizer)
+    }
+
+    /// Compiles `source` with BOS/EOS strings taken from `tokenizer`.
+    ///
+    /// # Errors
+    /// [`TemplateError::Compile`] when the template is not valid Jinja.
+    pub fn with_tokenizer(source: &str, tokenizer: &Tokenizer) -> Result<Self, TemplateError> {
         let text = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_text(id))
                 .unwrap_or_default()
                 .to_owned()
         };
         Self::new(source, &text(tokenizer.bos()), &text(tokenizer.eos()))
+    }
+
+    /// The template `serve` uses: `override_source` (`--chat-template`, e.g. a
+    /// release bundle's) if given, else the model's own; `None` when there is none
+    /// that compiles (`/v1/chat/completions` is then refused per request).
+    ///
+    /// Both are rendered once on [`startup_conversation`]. An override that does
+    /// not compile or render is refused: the release names it, so serving without
+    /// it would serve something else. The model's own template is only logged when
+    /// it fails: one that does not compile is dropped (as before, but no longer
+    /// silently), and one that cannot render a system message is kept, because
+    /// some models' templates refuse that role by design (a request's render error
+    /// is that request's 400).
+    ///
+    /// # Errors
+    /// [`TemplateError::Compile`] or [`TemplateError::Render`] for the override,
+    /// with minijinja's message.
+    pub fn for_serving(
+        md: &Metadata,
+        tokenizer: &Tokenizer,
+        override_source: Option<&str>,
+    ) -> Result<Option<Self>, TemplateError> {
+        if let Some(source) = override_source {
+            let template = Self::with_tokenizer(source, tokenizer)?;
+            template.render_startup_conversation()?;
+            tracing::info!("chat template: the --chat-template override");
+            return Ok(Some(template));
+        }
+        match Self::from_metadata(md, tokenizer) {
+            Ok(template) => {
+                if let Err(error) = template.render_startup_conversation() {
+                    tracing::warn!(%error, "the model's chat template cannot render a system and a user message; chat requests it cannot render will be refused");
+                }
+                Ok(Some(template))
+            }
+            Err(TemplateError::Missing) => {
+                tracing::info!("the model has no chat template; /v1/chat/completions is refused");
+                Ok(None)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the model's chat template is unusable; /v1/chat/completions is refused");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Renders [`startup_conversation`] with a generation prompt: the start-up check
+    /// that a template works on the simplest chat there is.
+    ///
+    /// # Errors
+    /// [`TemplateError::Render`] with minijinja's message.
+    pub fn render_startup_conversation(&self) -> Result<String, TemplateError> {
+        self.render(&startup_conversation(), RenderOptions::default())
     }
 
     /// Compiles `source` (e.g. a template override from a release bundle).
@@ -450,5 +524,83 @@ mod tests {
             ChatTemplate::new("{% for %}", "", ""),
             Err(TemplateError::Compile(_))
         ));
+    }
+
+    /// A three-token vocabulary (`<s>`, `</s>`, `a`) with `chat_template` if given.
+    fn model(chat_template: Option<&str>) -> (Metadata, Tokenizer) {
+        use crate::model::gguf::{Array, Value as Gguf};
+        let mut md = Metadata::default();
+        let mut put = |k: &str, v: Gguf| md.insert(k.into(), v).unwrap();
+        put("tokenizer.ggml.model", Gguf::String("gpt2".into()));
+        put("tokenizer.ggml.pre", Gguf::String("smollm".into()));
+        let tokens = ["<s>", "</s>", "a"].map(String::from).to_vec();
+        put("tokenizer.ggml.tokens", Gguf::Array(Array::String(tokens)));
+        put(
+            "tokenizer.ggml.merges",
+            Gguf::Array(Array::String(Vec::new())),
+        );
+        put("tokenizer.ggml.bos_token_id", Gguf::U32(0));
+        put("tokenizer.ggml.eos_token_id", Gguf::U32(1));
+        if let Some(t) = chat_template {
+            put(CHAT_TEMPLATE_KEY, Gguf::String(t.into()));
+        }
+        let tokenizer = Tokenizer::from_metadata(&md).unwrap();
+        (md, tokenizer)
+    }
+
+    const OWN: &str =
+        "{% for m in messages %}{{ bos_token }}{{ m.content }}{{ eos_token }}{% endfor %}";
+    const ONLY_ONE: &str =
+        "{% if messages | length > 1 %}{{ raise_exception('one only') }}{% endif %}x";
+
+    #[test]
+    fn an_override_replaces_the_models_template() {
+        let (md, tok) = model(Some(OWN));
+        let own = ChatTemplate::for_serving(&md, &tok, None).unwrap().unwrap();
+        assert_eq!(
+            own.render_startup_conversation().unwrap(),
+            "<s>You are a helpful assistant.</s><s>Hello!</s>"
+        );
+        let over =
+            ChatTemplate::for_serving(&md, &tok, Some("{{ messages[1].content }}|{{ eos_token }}"))
+                .unwrap()
+                .unwrap();
+        assert_eq!(over.render_startup_conversation().unwrap(), "Hello!|</s>");
+    }
+
+    #[test]
+    fn an_override_that_cannot_render_two_messages_is_refused() {
+        let (md, tok) = model(Some(OWN));
+        let err = ChatTemplate::for_serving(&md, &tok, Some("{% if %}")).unwrap_err();
+        assert!(matches!(err, TemplateError::Compile(_)), "{err}");
+        let err = ChatTemplate::for_serving(&md, &tok, Some(ONLY_ONE)).unwrap_err();
+        assert!(
+            matches!(err, TemplateError::Render(_)) && err.to_string().contains("one only"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_models_own_template_is_dropped_or_kept_with_a_warning_never_refused() {
+        // No template, or one that does not compile: no chat, but the model serves.
+        assert!(
+            ChatTemplate::for_serving(&model(None).0, &model(None).1, None)
+                .unwrap()
+                .is_none()
+        );
+        let (md, tok) = model(Some("{% for %}"));
+        assert!(
+            ChatTemplate::for_serving(&md, &tok, None)
+                .unwrap()
+                .is_none()
+        );
+        // One that refuses a system message is kept for the chats it can render.
+        let (md, tok) = model(Some(ONLY_ONE));
+        let kept = ChatTemplate::for_serving(&md, &tok, None).unwrap().unwrap();
+        assert_eq!(
+            kept.render(&[ChatMessage::new("user", "hi")], RenderOptions::default())
+                .unwrap(),
+            "x"
+        );
     }
 }
