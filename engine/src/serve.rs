@@ -69,9 +69,18 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         tracing::info!(model = %args.model.display(), bytes, elapsed = ?started.elapsed(), "model sha256 verified");
     }
     let file = GgufFile::open(&args.model)?;
-    let tokenizer = Tokenizer::from_metadata(file.metadata())
-        .with_context(|| format!("loading the tokenizer of {}", args.model.display()))?;
-    let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer).ok();
+    let tokenizer = Tokenizer::for_model(
+        &file,
+        args.tokenizer.as_deref(),
+        args.tokenizer_sha256.as_ref(),
+    )
+    .with_context(|| {
+        let path = args.tokenizer.as_deref().unwrap_or(&args.model);
+        format!("loading the tokenizer {}", path.display())
+    })?;
+    let template =
+        ChatTemplate::for_serving(file.metadata(), &tokenizer, args.chat_template.as_deref())
+            .context("--chat-template")?;
     let model_config = LlamaConfig::from_gguf(&file)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
