@@ -294,14 +294,16 @@ pub fn run(args: &FetchArgs) -> Result<FetchOutcome, FetchError> {
         .block_on(fetch(&config))
 }
 
-/// A model file that is not the one the release names.
+/// A file of the release (the model, its tokenizer) that is not the one it names.
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
     #[error(
-        "model {} failed verification: its sha256 is {actual} ({bytes} bytes), the release names {expected}",
+        "{what} {} failed verification: its sha256 is {actual} ({bytes} bytes), the release names {expected}",
         path.display()
     )]
     Mismatch {
+        /// Which file of the release: "model", "tokenizer".
+        what: &'static str,
         path: PathBuf,
         expected: Sha256Digest,
         actual: Sha256Digest,
@@ -314,18 +316,32 @@ pub enum VerifyError {
     },
 }
 
-/// Hashes the file at `path` and compares it with `expected`, before anything loads
-/// it: whatever staged it (the image, a volume, `fetch`), a file that is not the
-/// release's model is never served. Returns its size.
+/// Hashes the model file at `path` and compares it with `expected`, before anything
+/// loads it: whatever staged it (the image, a volume, `fetch`), a file that is not
+/// the release's model is never served. Returns its size.
 ///
 /// # Errors
 /// [`VerifyError::Mismatch`], or the I/O error reading it.
 pub fn verify_file(path: &Path, expected: &Sha256Digest) -> Result<u64, VerifyError> {
+    verify_release_file("model", path, expected)
+}
+
+/// [`verify_file`] for another file of the release, named `what` in the error
+/// (e.g. "tokenizer").
+///
+/// # Errors
+/// [`VerifyError::Mismatch`], or the I/O error reading it.
+pub fn verify_release_file(
+    what: &'static str,
+    path: &Path,
+    expected: &Sha256Digest,
+) -> Result<u64, VerifyError> {
     let (actual, bytes) = file_sha256(path)?;
     if actual == *expected {
         Ok(bytes)
     } else {
         Err(VerifyError::Mismatch {
+            what,
             path: path.to_owned(),
             expected: *expected,
             actual,

@@ -339,7 +339,7 @@ fn a_tokenizer_json_failing_its_sha256_is_refused_as_not_the_releases() {
     assert_eq!(status.code(), Some(exit::MODEL_REJECTED), "{stderr}");
     let line = error_line(&stderr);
     assert!(
-        line.contains("the tokenizer is not the release's")
+        line.contains("--tokenizer-sha256: tokenizer ")
             && line.contains(&sha256_hex(&path))
             && line.contains("failed verification"),
         "{line}"

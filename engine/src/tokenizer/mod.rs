@@ -44,7 +44,7 @@ pub mod tokenizer_json;
 
 use std::path::{Path, PathBuf};
 
-use crate::fetch::{Sha256Digest, VerifyError, verify_file};
+use crate::fetch::{Sha256Digest, VerifyError, verify_release_file};
 use crate::model::gguf::{GgufError, GgufFile, Metadata};
 pub use decode::IncrementalDecoder;
 use gguf::GgufVocab;
@@ -76,7 +76,7 @@ pub enum TokenizerError {
     VocabularyTooLarge { ids: usize, embedding_rows: usize },
     /// The file is not the one the release names (`--tokenizer-sha256`): `serve`
     /// exits with [`slipway_contract::exit::MODEL_REJECTED`], as for the model.
-    #[error("the tokenizer is not the release's")]
+    #[error("--tokenizer-sha256")]
     Rejected(#[source] VerifyError),
     // The causes below are in the message and not also a `source`, so `serve`'s
     // `Error: ...` line (an error chain printed in full) does not say them twice.
@@ -308,7 +308,8 @@ impl Tokenizer {
             None => Self::from_metadata(md)?,
             Some(path) => {
                 if let Some(expected) = sha256 {
-                    let bytes = verify_file(path, expected).map_err(TokenizerError::Rejected)?;
+                    let bytes = verify_release_file("tokenizer", path, expected)
+                        .map_err(TokenizerError::Rejected)?;
                     tracing::info!(tokenizer = %path.display(), bytes, "tokenizer sha256 verified");
                 }
                 let json = std::fs::read(path).map_err(|error| TokenizerError::Read {
