@@ -344,3 +344,48 @@ pub trait ModelRunner {
     /// written to the KV store in that case.
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(len: usize, adapter: Option<u16>) -> SeqChunk {
+        SeqChunk {
+            tokens: vec![1; len],
+            start_pos: 0,
+            block_table: vec![0],
+            logits: LogitsWanted::Last,
+            adapter,
+        }
+    }
+
+    #[test]
+    fn adapter_segments_merge_neighbours_of_one_adapter_and_skip_the_base() {
+        let batch = Batch {
+            seqs: vec![
+                chunk(3, Some(0)),
+                chunk(2, Some(0)),
+                chunk(4, None),
+                chunk(1, Some(1)),
+                chunk(5, Some(0)),
+                chunk(1, Some(0)),
+            ],
+        };
+        let seg = |adapter, rows| Segment { adapter, rows };
+        assert_eq!(
+            batch.adapter_segments(),
+            [seg(0, 0..5), seg(1, 9..10), seg(0, 10..16)]
+        );
+        assert!(Batch::default().adapter_segments().is_empty());
+    }
+
+    #[test]
+    fn a_chunk_naming_an_adapter_the_runner_lacks_is_an_invalid_batch() {
+        let batch = Batch {
+            seqs: vec![chunk(2, Some(1))],
+        };
+        assert!(validate_batch(&batch, 10, (16, 4), 2).is_ok());
+        let err = validate_batch(&batch, 10, (16, 4), 1).expect_err("one adapter");
+        assert!(err.to_string().contains("LoRA adapter 1"), "{err}");
+    }
+}
