@@ -61,7 +61,10 @@ CNI_BIN_DIR=/usr/lib/cni
 # Service ClusterIPs. There is no kube-proxy: only the first address, the kubernetes
 # Service (the API server), is answered, inside each real node (./real-nodes), so that
 # pods which watch the API (the router) reach it as they would in any cluster.
-SERVICE_CIDR=10.0.0.0/24
+# A /16: every InferenceService takes two ClusterIPs (client and per-release
+# Services), so the default /24 ran out near 120 of them; `make bench-operator`
+# creates 1,000 (2,000 addresses).
+SERVICE_CIDR=10.0.0.0/16
 KUBERNETES_SERVICE_IP=10.0.0.1
 
 # Where `up` keeps a cluster: kwokctl's work dir (pids/, logs/, etcd data, pki,
