@@ -61,7 +61,7 @@ pub fn valid_inference_service(name: &str) -> Value {
                     { "name": "support-bot", "uri": "file:///adapters/support.gguf", "sha256": "c".repeat(64) },
                 ],
                 "kvNamespace": "smollm2-v1",
-                "engine": { "image": "ghcr.io/slipway-dev/engine:0.1.0", "device": "CUDA", "maxOutputTokens": 512 },
+                "engine": { "image": "ghcr.io/slipway-dev/engine:0.1.0", "device": "CPU", "maxOutputTokens": 512 },
             },
             "parallelism": { "tensor": 2, "pipeline": 1, "gpusPerNode": 8 },
             "capacity": {
