@@ -98,32 +98,27 @@ fn scores(
     score_with(runner, alloc, tokens, 1, adapter).expect("score")
 }
 
-#[test]
-fn with_the_adapter_we_agree_with_llama_cpp_with_the_adapter() {
-    let (lora, _) = lora_oracle();
+/// Teacher-forced agreement of the shared runner under `adapter` with `oracle`.
+fn assert_agrees(what: &str, oracle: &Oracle, adapter: Option<u16>) {
     let mut f = fixture();
     let Fixture {
         runner,
         alloc,
         tokenizer,
     } = &mut *f;
-    let a = agreement::teacher_forced(&lora, tokenizer, |t| scores((runner, alloc), t, ADAPTER));
-    println!("with the adapter, teacher-forced: {}", a.summary());
-    a.assert_bar("the LoRA adapter");
+    agreement::assert_agrees(what, oracle, tokenizer, |t| {
+        scores((runner, alloc), t, adapter)
+    });
+}
+
+#[test]
+fn with_the_adapter_we_agree_with_llama_cpp_with_the_adapter() {
+    assert_agrees("the LoRA adapter", &lora_oracle().0, ADAPTER);
 }
 
 #[test]
 fn without_the_adapter_the_same_runner_agrees_with_the_base_oracle() {
-    let base = oracle();
-    let mut f = fixture();
-    let Fixture {
-        runner,
-        alloc,
-        tokenizer,
-    } = &mut *f;
-    let a = agreement::teacher_forced(&base, tokenizer, |t| scores((runner, alloc), t, None));
-    println!("without the adapter, teacher-forced: {}", a.summary());
-    a.assert_bar("the base model beside an adapter");
+    assert_agrees("the base model beside an adapter", &oracle(), None);
 }
 
 #[test]

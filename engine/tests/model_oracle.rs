@@ -63,11 +63,9 @@ fn teacher_forced_agreement_with_llama_cpp() {
         alloc,
         tokenizer,
     } = f;
-    let a = agreement::teacher_forced(&oracle, tokenizer, |tokens| {
+    agreement::assert_agrees("the base model", &oracle, tokenizer, |tokens| {
         score(runner, alloc, tokens, 1).expect("score")
     });
-    println!("teacher-forced: {}", a.summary());
-    a.assert_bar("the base model");
 }
 
 #[test]

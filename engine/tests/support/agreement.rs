@@ -63,6 +63,22 @@ impl Agreement {
     }
 }
 
+/// Scores the oracle's prompts teacher-forced through `score` (see [`teacher_forced`]),
+/// prints the numbers under `what` and holds them to the bar.
+///
+/// # Panics
+/// Where [`Agreement::assert_bar`] does.
+pub fn assert_agrees(
+    what: &str,
+    oracle: &Oracle,
+    tokenizer: &Tokenizer,
+    score: impl FnMut(&[u32]) -> Vec<PositionScore>,
+) {
+    let a = teacher_forced(oracle, tokenizer, score);
+    println!("{what}, teacher-forced: {}", a.summary());
+    a.assert_bar(what);
+}
+
 /// How many leading steps of `p` llama.cpp actually conditioned on as recorded.
 ///
 /// The oracle's `continuation` ids lose byte tokens where a character spans
