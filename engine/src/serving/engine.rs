@@ -9,10 +9,11 @@
 //! runtime keeps serving HTTP meanwhile), sample, update, send events.
 //!
 //! Shutdown: when every handle is dropped the command channel closes and the actor
-//! ends every request with [`Event::Error`] and returns the runner. A send to a
+//! ends every request with [`RequestError::Shutdown`] and returns the runner. A send to a
 //! closed actor is reported as [`EngineError::Closed`], never a panic.
-//! [`EngineHandle::abort_all`] ends every request the same way without stopping the
-//! actor (the end of a drain's shutdown budget).
+//! [`EngineHandle::abort_all`] ends every request with [`RequestError::Aborted`]
+//! without stopping the actor (the end of a drain's shutdown budget). A failed
+//! forward step ends its requests with [`RequestError::Backend`].
 //!
 //! Metrics: the actor alone sees the scheduler, so it keeps the gauges (running,
 //! waiting, KV usage), the token and prefix-cache counters and the queue-time
@@ -113,8 +114,23 @@ pub enum Event {
         /// Prompt tokens served from the prefix cache.
         cached_tokens: usize,
     },
-    /// The request failed (rejected, engine error, or shutdown); no more events follow.
-    Error(String),
+    /// The request failed after it was accepted; no more events follow.
+    Error(RequestError),
+}
+
+/// Why an accepted request failed. The HTTP layer answers the first two with 503
+/// (the request may succeed elsewhere or later) and a backend failure with 500.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// The engine stopped (every handle dropped) before the request finished.
+    #[error("the engine shut down")]
+    Shutdown,
+    /// Ended by [`EngineHandle::abort_all`]; the reason it was given.
+    #[error("{0}")]
+    Aborted(String),
+    /// The model runner failed the step that carried the request.
+    #[error("engine error: {0}")]
+    Backend(String),
 }
 
 /// Errors of the handle.
@@ -213,7 +229,7 @@ impl EngineHandle {
             .map_err(|_| EngineError::Closed)
     }
 
-    /// Ends every admitted request now with [`Event::Error`] carrying `message`,
+    /// Ends every admitted request now with [`RequestError::Aborted`] carrying `message`,
     /// freeing their blocks; the engine keeps serving new requests.
     ///
     /// # Errors
@@ -408,7 +424,9 @@ fn handle(cmd: Command, a: &mut Actor) {
             for (id, a) in active.drain() {
                 a.trace
                     .in_scope(|| tracing::warn!(request = id, %message, "request aborted"));
-                let _ = a.events.send(Event::Error(message.clone()));
+                let _ = a
+                    .events
+                    .send(Event::Error(RequestError::Aborted(message.clone())));
             }
         }
     }
@@ -521,7 +539,7 @@ async fn run(
                         });
                         let _ = r
                             .events
-                            .send(Event::Error(format!("engine error: {error}")));
+                            .send(Event::Error(RequestError::Backend(error.to_string())));
                     }
                 }
                 continue;
@@ -530,7 +548,9 @@ async fn run(
                 // The runner panicked and is lost: nothing more can be served.
                 tracing::error!(error = %join, "forward step panicked; engine stops");
                 for (_, r) in a.active.drain() {
-                    let _ = r.events.send(Event::Error("engine failure".into()));
+                    let _ = r.events.send(Event::Error(RequestError::Backend(
+                        "the model runner panicked".into(),
+                    )));
                 }
                 std::panic::resume_unwind(join.into_panic());
             }
@@ -573,7 +593,7 @@ async fn run(
         a.publish();
     }
     for (_, r) in a.active.drain() {
-        let _ = r.events.send(Event::Error("the engine shut down".into()));
+        let _ = r.events.send(Event::Error(RequestError::Shutdown));
     }
     a.s.finish_all();
     a.publish();

@@ -15,6 +15,8 @@ struct FakeRunner {
     config: LlamaConfig,
     geometry: KvGeometry,
     kv: HashMap<(u32, usize), u32>,
+    /// Every step fails, as a broken forward pass would.
+    broken: bool,
 }
 
 impl FakeRunner {
@@ -29,6 +31,7 @@ impl FakeRunner {
                 num_blocks,
             },
             kv: HashMap::new(),
+            broken: false,
         }
     }
 }
@@ -43,6 +46,9 @@ impl ModelRunner for FakeRunner {
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+        if self.broken {
+            return Err(BackendError::InvalidBatch("broken on purpose".into()));
+        }
         let bs = self.geometry.block_size;
         let mut logits = Logits {
             vocab: VOCAB,
@@ -219,12 +225,49 @@ async fn abort_all_ends_every_request_with_an_error_and_the_engine_keeps_serving
     h.abort_all("shutdown budget over").await.expect("running");
     for s in streams {
         let (_, end) = collect(s).await;
-        assert_eq!(end, Event::Error("shutdown budget over".into()));
+        assert_eq!(
+            end,
+            Event::Error(RequestError::Aborted("shutdown budget over".into()))
+        );
     }
     let st = h.stats().await.expect("running");
     assert_eq!((st.running, st.waiting, st.free_blocks), (0, 0, 64));
     let s = h.submit(request(vec![2; 4], 3)).await.expect("accepted");
     assert_eq!(collect(s).await.0.len(), 3);
+}
+
+#[tokio::test]
+async fn a_failed_step_ends_its_requests_with_a_backend_error_and_frees_their_blocks() {
+    let runner = FakeRunner {
+        broken: true,
+        ..FakeRunner::new(64)
+    };
+    let (h, _task) = spawn(Box::new(runner), config(64, 2)).expect("config");
+    let s = h.submit(request(vec![2; 6], 20)).await.expect("accepted");
+    let (tokens, end) = collect(s).await;
+    assert!(tokens.is_empty());
+    assert_eq!(
+        end,
+        Event::Error(RequestError::Backend(
+            "invalid batch: broken on purpose".into()
+        ))
+    );
+    let st = h.stats().await.expect("the engine keeps running");
+    assert_eq!((st.running, st.waiting, st.free_blocks), (0, 0, 64));
+}
+
+#[tokio::test]
+async fn requests_still_running_when_the_engine_stops_end_with_shutdown() {
+    let (h, task) = spawn(Box::new(FakeRunner::new(64)), config(64, 1)).expect("config");
+    let mut running = h.submit(request(vec![2; 6], 200)).await.expect("accepted");
+    let waiting = h.submit(request(vec![3; 6], 200)).await.expect("accepted");
+    assert!(matches!(running.events.recv().await, Some(Event::Token(_))));
+    drop(h);
+    for s in [running, waiting] {
+        let (_, end) = collect(s).await;
+        assert_eq!(end, Event::Error(RequestError::Shutdown));
+    }
+    task.await.expect("actor ends without panicking");
 }
 
 #[tokio::test]

@@ -46,7 +46,7 @@ use slipway_contract::{LoadReport, paths};
 use slipway_telemetry::{TRACE_TARGET, join_trace};
 use tracing::Instrument;
 
-pub use errors::{ApiError, DRAIN_RETRY_AFTER_SECS};
+pub use errors::{ApiError, DRAIN_RETRY_AFTER_SECS, FAILED_RETRY_AFTER_SECS};
 pub use openai_types::MAX_STOPS;
 
 use openai_types::{ChatBody, CompletionBody, Prepared, chat_messages, parse, prepare};

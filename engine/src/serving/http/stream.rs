@@ -2,9 +2,11 @@
 //! decoding with stop strings held back until they cannot match, then either one
 //! JSON body ([`collect`]) or SSE chunks ([`sse`]).
 //!
-//! A request that fails after it started (engine error, the drain's shutdown budget
-//! over) ends explicitly: a 503 JSON error when not streaming; an `error` object
-//! followed by `[DONE]` on a stream. Never a silently cut connection.
+//! A request that fails after it started ends explicitly with its
+//! [`RequestError`]'s [`ApiError`]: a 503 (engine shut down, or aborted at the end of
+//! the drain's shutdown budget) or 500 (the forward step failed) JSON error when not
+//! streaming; the same `error` object, then `[DONE]`, on a stream. Never a silently
+//! cut connection.
 //!
 //! Dropping either (client gone) drops the engine stream, which frees the request's
 //! KV before the next step, and the [`Tracker`], which counts it as cancelled.
@@ -22,13 +24,10 @@ use serde_json::{Value, json};
 use super::errors::ApiError;
 use super::openai_types::Prepared;
 use super::track::{Tracker, Usage, outcome_of};
-use crate::serving::engine::{Event, RequestStream};
+use crate::serving::engine::{Event, RequestError, RequestStream};
 use crate::serving::metrics::Outcome;
 use crate::serving::text::StopMatcher;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
-
-/// `Retry-After` of a request that failed mid-way.
-const FAILED_RETRY_AFTER_SECS: u64 = 1;
 
 /// Turns engine events into text pieces and a final state.
 pub(super) struct Detok {
@@ -45,7 +44,7 @@ enum Piece {
         outcome: Outcome,
         usage: Usage,
     },
-    Failed(String),
+    Failed(RequestError),
 }
 
 impl Detok {
@@ -80,7 +79,7 @@ impl Detok {
                 }
             }
             Some(Event::Error(m)) => Piece::Failed(m),
-            None => Piece::Failed("the engine shut down".into()),
+            None => Piece::Failed(RequestError::Shutdown),
         }
     }
 }
@@ -176,9 +175,9 @@ pub(super) async fn collect(
                 tracker.finish(outcome);
                 return Ok(meta.body(&text, reason, usage_json(usage)));
             }
-            Piece::Failed(m) => {
+            Piece::Failed(e) => {
                 tracker.finish(Outcome::Error);
-                return Err(ApiError::unavailable(m, FAILED_RETRY_AFTER_SECS));
+                return Err(e.into());
             }
         }
     }
@@ -261,10 +260,10 @@ pub(super) fn sse(
                     outcome,
                     usage,
                 } => (text, Some((reason, outcome, usage))),
-                Piece::Failed(m) => {
+                Piece::Failed(e) => {
                     st.stream = None;
                     st.tracker.finish(Outcome::Error);
-                    st.push(&json!({"error": {"message": m, "type": "server_error", "param": null, "code": "engine_error"}}));
+                    st.push(&ApiError::from(e).body());
                     st.queue.push_back(SseEvent::default().data("[DONE]"));
                     continue;
                 }

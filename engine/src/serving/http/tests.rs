@@ -8,12 +8,12 @@ use axum::http::{Request as HttpRequest, StatusCode};
 use tower::ServiceExt;
 
 use super::*;
-use crate::backend::ModelRunner;
 use crate::backend::cpu::{CpuBackend, CpuConfig};
+use crate::backend::{BackendError, Batch, KvGeometry, Logits, ModelRunner};
 use crate::model::gguf::GgufFile;
-use crate::model::llama::LlamaWeights;
+use crate::model::llama::{LlamaConfig, LlamaWeights};
 use crate::serving::block_manager::BlockManagerConfig;
-use crate::serving::engine::{EngineConfig, spawn_with_metrics};
+use crate::serving::engine::{BoxedRunner, EngineConfig, spawn_with_metrics};
 use crate::serving::metrics::{ServingMetrics, SloTargets};
 use crate::serving::scheduler::SchedulerConfig;
 use crate::testing::model_path;
@@ -27,6 +27,33 @@ fn state() -> Arc<AppState> {
 /// A state on the real model with these admission limits and API settings (the
 /// pool-dependent and model-dependent fields are filled in here).
 fn state_with(adm: admission::AdmissionConfig, api: ApiConfig) -> Arc<AppState> {
+    state_on(adm, api, |r| Box::new(r))
+}
+
+/// The real model's runner with every forward step failing, as a broken forward
+/// pass (a kernel or device error) would.
+struct BrokenRunner(CpuBackend);
+
+impl ModelRunner for BrokenRunner {
+    fn config(&self) -> &LlamaConfig {
+        self.0.config()
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.0.kv_geometry()
+    }
+
+    fn forward(&mut self, _: &Batch) -> Result<Logits, BackendError> {
+        Err(BackendError::InvalidBatch("broken on purpose".into()))
+    }
+}
+
+/// Like [`state_with`], with the runner `wrap` makes of the real model's.
+fn state_on(
+    adm: admission::AdmissionConfig,
+    api: ApiConfig,
+    wrap: impl FnOnce(CpuBackend) -> BoxedRunner,
+) -> Arc<AppState> {
     let path = model_path();
     let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let weights = Arc::new(LlamaWeights::from_gguf(&file).expect("weights"));
@@ -57,7 +84,7 @@ fn state_with(adm: admission::AdmissionConfig, api: ApiConfig) -> Arc<AppState> 
     };
     let metrics = Arc::new(ServingMetrics::new(MODEL, "test"));
     let (engine, _task) =
-        spawn_with_metrics(Box::new(runner), config, Arc::clone(&metrics)).expect("config");
+        spawn_with_metrics(wrap(runner), config, Arc::clone(&metrics)).expect("config");
     let admission = Admission::new(admission::AdmissionConfig {
         max_num_seqs: 8,
         kv_budget_blocks: g.num_blocks,
@@ -724,6 +751,136 @@ async fn injected_faults_fail_that_share_of_requests_with_500() {
         ..ApiConfig::default()
     };
     assert!(bad.validate().is_err());
+}
+
+/// The `data:` payloads of an SSE body, the last one `[DONE]`.
+fn sse_data(body: &str) -> Vec<&str> {
+    let data: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+    data
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_forward_step_is_a_500_without_retry_after() {
+    let state = state_on(
+        admission::AdmissionConfig::default(),
+        ApiConfig::default(),
+        |r| Box::new(BrokenRunner(r)),
+    );
+    let app = router(Arc::clone(&state));
+    let req = HttpRequest::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 2}).to_string(),
+        ))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!resp.headers().contains_key("retry-after"));
+    let b = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    let v: Value = serde_json::from_slice(&b).expect("JSON error");
+    assert_eq!(v["error"]["type"], "server_error", "{v}");
+    assert_eq!(v["error"]["code"], "engine_error", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("broken on purpose")),
+        "{v}"
+    );
+    // A stream has started (200) when the step fails: it ends with the same error.
+    let (s, b, _) = send(
+        &app,
+        "POST",
+        "/v1/completions",
+        Body::from(
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": true}).to_string(),
+        ),
+        true,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let data = sse_data(&b);
+    let err: Value = serde_json::from_str(data[data.len() - 2]).expect("an error object");
+    assert_eq!(err["error"]["type"], "server_error", "{err}");
+    assert_eq!(err["error"]["code"], "engine_error", "{err}");
+    assert_eq!(state.metrics.requests(Outcome::Error), 2);
+    assert_eq!(state.admission.load().in_flight, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_aborted_at_shutdown_are_503s_with_retry_after() {
+    let state = state();
+    let app = router(Arc::clone(&state));
+    let long = |stream: bool| {
+        json!({"model": MODEL, "prompt": "A very long story:", "max_tokens": 400,
+               "ignore_eos": true, "stream": stream})
+        .to_string()
+    };
+    let whole = {
+        let app = app.clone();
+        let body = long(false);
+        tokio::spawn(async move {
+            let req = HttpRequest::builder()
+                .method("POST")
+                .uri("/v1/completions")
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .expect("request");
+            app.oneshot(req).await.expect("infallible")
+        })
+    };
+    let streaming = {
+        let app = app.clone();
+        let body = long(true);
+        tokio::spawn(
+            async move { send(&app, "POST", "/v1/completions", Body::from(body), true).await },
+        )
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while state.engine.stats().await.expect("running").running < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the requests never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // What `serve` does when the drain's shutdown budget is over.
+    state
+        .engine
+        .abort_all("the server shut down before this request finished")
+        .await
+        .expect("running");
+    let resp = whole.await.expect("request task");
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        resp.headers().get("retry-after").map(|v| v.as_bytes()),
+        Some(FAILED_RETRY_AFTER_SECS.to_string().as_bytes())
+    );
+    let b = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    let v: Value = serde_json::from_slice(&b).expect("JSON error");
+    assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+    assert_eq!(v["error"]["code"], "request_aborted", "{v}");
+    assert_eq!(
+        v["error"]["message"],
+        "the server shut down before this request finished"
+    );
+    let (s, b, _) = streaming.await.expect("stream task");
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let data = sse_data(&b);
+    let err: Value = serde_json::from_str(data[data.len() - 2]).expect("an error object");
+    assert_eq!(err["error"]["type"], "service_unavailable", "{err}");
+    assert_eq!(err["error"]["code"], "request_aborted", "{err}");
+    assert_eq!(state.metrics.requests(Outcome::Error), 2);
+    assert_eq!(state.admission.load().in_flight, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
