@@ -233,110 +233,20 @@ fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `strftime_now(fmt)`: the current UTC time formatted with the common
-/// `strftime` directives (templates use it for "Today Date: 26 Jul 2024").
+/// `strftime_now(fmt)`: the current UTC time formatted with `strftime` directives
+/// (templates use it for "Today Date: 26 Jul 2024"), by jiff's `strtime`, which
+/// already reaches the engine through k8s-openapi.
 fn strftime_now(format: String) -> Result<String, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    strftime(&format, secs)
+    strftime(&format, jiff::Timestamp::now())
 }
 
-fn strftime(format: &str, unix_secs: u64) -> Result<String, Error> {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    let days = (unix_secs / 86_400) as i64;
-    let secs = unix_secs % 86_400;
-    let (year, month, day) = civil_from_days(days);
-    // 1970-01-01 was a Thursday (index 3 from Monday).
-    let weekday = (days + 3).rem_euclid(7) as usize;
-    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
-    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
-    let month_name = MONTHS[(month - 1) as usize];
-
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        // `write!` into a String cannot fail.
-        let _ = match chars.next() {
-            Some('Y') => write!(out, "{year}"),
-            Some('y') => write!(out, "{:02}", year.rem_euclid(100)),
-            Some('m') => write!(out, "{month:02}"),
-            Some('d') => write!(out, "{day:02}"),
-            Some('e') => write!(out, "{day:>2}"),
-            Some('j') => write!(out, "{day_of_year:03}"),
-            Some('H') => write!(out, "{hour:02}"),
-            Some('I') => write!(out, "{:02}", (hour + 11) % 12 + 1),
-            Some('p') => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
-            Some('M') => write!(out, "{minute:02}"),
-            Some('S') => write!(out, "{second:02}"),
-            Some('B') => write!(out, "{month_name}"),
-            Some('b' | 'h') => write!(out, "{}", &month_name[..3]),
-            Some('A') => write!(out, "{}", DAYS[weekday]),
-            Some('a') => write!(out, "{}", &DAYS[weekday][..3]),
-            Some('%') => write!(out, "%"),
-            other => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!(
-                        "strftime_now: unsupported directive %{}",
-                        other.unwrap_or(' ')
-                    ),
-                ));
-            }
-        };
-    }
-    Ok(out)
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian
-/// (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
-/// (year, month, day) → days since 1970-01-01 (Hinnant's `days_from_civil`).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = if m > 2 { m - 3 } else { m + 9 };
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+fn strftime(format: &str, at: jiff::Timestamp) -> Result<String, Error> {
+    jiff::fmt::strtime::format(format, &at.to_zoned(jiff::tz::TimeZone::UTC)).map_err(|error| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now({format:?}): {error}"),
+        )
+    })
 }
 
 /// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False,
@@ -505,12 +415,16 @@ mod tests {
     #[test]
     fn strftime_formats_a_known_instant() {
         // 2024-07-26 13:05:09 UTC, a Friday.
-        let t = 1_722_000_000 - 1_722_000_000 % 86_400 + 13 * 3600 + 5 * 60 + 9;
+        let t = jiff::Timestamp::from_second(
+            1_722_000_000 - 1_722_000_000 % 86_400 + 13 * 3600 + 5 * 60 + 9,
+        )
+        .unwrap();
         assert_eq!(
-            strftime("%d %b %Y %H:%M:%S %A %j %B %%", t).unwrap(),
-            "26 Jul 2024 13:05:09 Friday 208 July %"
+            strftime("%d %b %Y %H:%M:%S %A %j %B %e %I%p %%", t).unwrap(),
+            "26 Jul 2024 13:05:09 Friday 208 July 26 01PM %"
         );
-        assert!(strftime("%Q", t).is_err());
+        let unknown = strftime("%K", t).unwrap_err().to_string();
+        assert!(unknown.contains("strftime_now(\"%K\")"), "{unknown}");
         assert!(
             render("{{ strftime_now('%Y') }}", &[])
                 .unwrap()
