@@ -19,7 +19,7 @@
 //   The query is rounded to f16 before scaling, as the CPU backend (and llama.cpp,
 //   which multiplies f16 keys by an f16 query) do.
 // Grid: (n, n_heads, 1). Block: (32, 1, 1). head_dim: a multiple of 32, at most 256.
-// Min arch: sm_70. CPU twin: backend::cuda::twin::paged_attention.
+// Min arch: sm_70. CPU twin: backend::device::twin::paged_attention.
 
 #define HD_MAX 256
 

@@ -6,7 +6,7 @@
 //   tokens: n token ids (validated < vocab on the host)
 //   out:    n × dim floats, row-major
 // Grid: (n, 1, 1). Block: (256, 1, 1); threads stride over the row's elements.
-// Min arch: sm_70. CPU twin: backend::cuda::twin::embed.
+// Min arch: sm_70. CPU twin: backend::device::twin::embed.
 
 template <int FMT>
 __device__ void embed(const u8* table, const u32* tokens, float* out, int n, int dim) {

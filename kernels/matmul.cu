@@ -16,7 +16,7 @@
 // Arguments, in order: w (rows × cols/32 blocks), x (n × cols floats, row-major),
 //   y (output; row t, column r lands at y[t * ldy + yoff + r], so stacked projections can
 //   write side by side), rows, cols (a multiple of 32), n, ldy, yoff.
-// Min arch: sm_70. CPU twin: backend::cuda::twin::matmul (one twin: both shapes compute
+// Min arch: sm_70. CPU twin: backend::device::twin::matmul (one twin: both shapes compute
 // the same sums, in a different order).
 
 #define MV_T 8

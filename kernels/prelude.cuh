@@ -1,5 +1,5 @@
 // prelude.cuh — helpers prepended to every kernel file before NVRTC compiles it
-// (by engine/src/backend/cuda/kernels.rs at start-up and by engine/scripts/check-kernels).
+// (by engine/src/backend/cuda/sources.rs at start-up and by engine/scripts/check-kernels).
 // No toolkit headers: NVRTC provides the device built-ins (__shfl_xor_sync, expf, ...),
 // and f16 <-> f32 conversion is one PTX `cvt` each (round-to-nearest-even, like the
 // `half` crate the CPU twins use), so no cuda_fp16.h is needed.

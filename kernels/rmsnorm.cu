@@ -9,7 +9,7 @@
 //                                         float* out, int dim, float eps)
 //   x[i] += y[i] (the residual stream, updated in place), then out[i] = rmsnorm(x[i]) * w
 // Grid: (rows, 1, 1). Block: (256, 1, 1) (any multiple of 32 up to 1024).
-// Min arch: sm_70. CPU twins: backend::cuda::twin::{rms_norm, add_rms_norm}.
+// Min arch: sm_70. CPU twins: backend::device::twin::{rms_norm, add_rms_norm}.
 // The sum of squares is f32 per thread then a tree (the CPU backend sums in f64;
 // the difference is within the stated tolerance of the twin tests).
 

@@ -12,7 +12,7 @@
 //   the angles round exactly as the CPU backend's (kernels::ops::rope_table).
 //   Stored values are rounded to f16 (as the CPU KV cache and llama.cpp's store them).
 // Grid: (n, 1, 1). Block: (256, 1, 1); threads stride over the row's pairs.
-// Min arch: sm_70. CPU twin: backend::cuda::twin::rope_store_kv.
+// Min arch: sm_70. CPU twin: backend::device::twin::rope_store_kv.
 
 extern "C" __global__ void rope_store_kv(float* qkv, const u32* pos, const u32* slots,
                                          u16* k_cache, u16* v_cache, int layer, int num_blocks,

@@ -15,7 +15,7 @@
 //   Method: top_k rounds of a block-wide argmax (simple and exact; fine for the small
 //   top_k of chat sampling), then one thread walks the ≤ 256 candidates in f64.
 //   Grid: (rows, 1, 1). Block: (1024, 1, 1).
-// Min arch: sm_70. CPU twins: backend::cuda::twin::{argmax_rows, sample_top_k_top_p}.
+// Min arch: sm_70. CPU twins: backend::device::twin::{argmax_rows, sample_top_k_top_p}.
 
 #define TOPK_MAX 256
 

@@ -3,7 +3,7 @@
 // extern "C" __global__ void silu_mul(const float* gate_up, float* out, int ffn, int n)
 //   out[t][j] = silu(gate_up[t][j]) * gate_up[t][ffn + j],  silu(g) = g / (1 + e^-g)
 // Grid: (ceil(n*ffn / 256), 1, 1). Block: (256, 1, 1).
-// Min arch: sm_70. CPU twin: backend::cuda::twin::silu_mul.
+// Min arch: sm_70. CPU twin: backend::device::twin::silu_mul.
 
 extern "C" __global__ void silu_mul(const float* gate_up, float* out, int ffn, int n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use slipway_contract::ServeArgs;
 use slipway_engine::backend::cpu::CpuConfig;
-use slipway_engine::backend::cuda::runner::DeviceConfig;
+use slipway_engine::backend::device::runner::DeviceConfig;
 use slipway_engine::backend::{BackendOptions, select};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaConfig;

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
-use slipway_engine::backend::cuda::device::{CpuDevice, Device};
-use slipway_engine::backend::cuda::runner::{DeviceConfig, DeviceRunner};
+use slipway_engine::backend::device::runner::{DeviceConfig, DeviceRunner};
+use slipway_engine::backend::device::{CpuDevice, Device};
 use slipway_engine::backend::{Batch, LogitsWanted, ModelRunner, SeqChunk};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;

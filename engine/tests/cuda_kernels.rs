@@ -17,10 +17,10 @@ use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use slipway_engine::backend::cuda::device::{Device, RopeParams};
-use slipway_engine::backend::cuda::twin::{
+use slipway_engine::backend::device::twin::{
     KvParams, MatShape, QuantFormat, SampleParams, from_f16_bits, to_f16_bits,
 };
+use slipway_engine::backend::device::{Device, RopeParams};
 use slipway_engine::kernels::attention::{AttnQuery, KvLayout, attend_impl};
 use slipway_engine::kernels::ops;
 use slipway_engine::kernels::quant::{WeightFormat, dequantize_row};
@@ -39,7 +39,7 @@ macro_rules! paste_tests {
         mod $body {
             #[test]
             fn cpu() {
-                super::$body(&slipway_engine::backend::cuda::device::CpuDevice);
+                super::$body(&slipway_engine::backend::device::CpuDevice);
             }
 
             #[cfg(feature = "cuda")]

@@ -5,7 +5,7 @@
 //! why and `auto` must fall back to the CPU backend.
 
 use slipway_engine::backend::{
-    BackendOptions, Device, DeviceChoice, SelectError, cuda::runner::DeviceConfig, select,
+    BackendOptions, Device, DeviceChoice, SelectError, device::runner::DeviceConfig, select,
 };
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::testing::model_path;

@@ -25,12 +25,13 @@
 //! `A` and `B` once while they are hot, where a per-row gather (Punica's BGMV) would
 //! fetch them per row.
 //!
-//! The CPU backend ([`cpu`]) and the device backend ([`cuda`]: CUDA kernels on a GPU
-//! with feature `cuda`, or their CPU twins) implement it; [`select`] picks one at run
-//! time.
+//! The CPU backend ([`cpu`]) and the device backend ([`device`]: the device forward
+//! pass, on CUDA kernels on a GPU with feature `cuda` ([`cuda`]), or on their CPU
+//! twins) implement it; [`select`] picks one at run time.
 
 pub mod cpu;
 pub mod cuda;
+pub mod device;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -167,7 +168,7 @@ pub enum BackendError {
     Kernel(#[from] crate::kernels::KernelError),
     /// The device (GPU) failed.
     #[error(transparent)]
-    Device(#[from] cuda::device::DeviceError),
+    Device(#[from] device::DeviceError),
 }
 
 /// Checks a batch against the contract in the module docs for a store of `num_blocks`
@@ -241,7 +242,7 @@ pub struct BackendOptions {
     /// The CPU backend's.
     pub cpu: cpu::CpuConfig,
     /// The CUDA backend's.
-    pub cuda: cuda::runner::DeviceConfig,
+    pub cuda: device::runner::DeviceConfig,
     /// GPU ordinal.
     pub gpu: usize,
     /// LoRA adapters to serve next to the model (CPU backend only, for now).
@@ -273,7 +274,7 @@ fn start_cuda(
     options: &BackendOptions,
 ) -> Result<Box<dyn ModelRunner + Send>, String> {
     let dev = cuda::gpu::CudaDevice::open(options.gpu).map_err(|e| e.to_string())?;
-    let runner = cuda::runner::DeviceRunner::new(dev, file, options.cuda.clone())
+    let runner = device::runner::DeviceRunner::new(dev, file, options.cuda.clone())
         .map_err(|e| e.to_string())?;
     Ok(Box::new(runner))
 }

@@ -16,31 +16,54 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg, sys,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchArgs, LaunchConfig,
+    PushKernelArg, sys,
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::device::{Device, DeviceError, Elem, RopeParams, check_sample_params, need};
 use super::sources::{KERNEL_FILES, MATVEC_MAX_TOKENS, nvrtc_options, program};
-use super::twin::{KvParams, MatShape, QuantFormat, SampleParams};
+use crate::backend::device::twin::{KvParams, MatShape, QuantFormat, SampleParams};
+use crate::backend::device::{Checked, Device, DeviceError, Elem, RopeParams};
 
 fn drv(e: impl std::fmt::Display) -> DeviceError {
     DeviceError::Driver(e.to_string())
 }
 
+/// An `int` kernel argument (the `Device` checks made sure it fits; this converts).
 fn int(x: usize, what: &str) -> Result<i32, DeviceError> {
     i32::try_from(x).map_err(|_| DeviceError::Shape(format!("{what} = {x} exceeds i32")))
 }
 
-fn blocks(n: usize, per: usize) -> Result<u32, DeviceError> {
-    u32::try_from(n.div_ceil(per)).map_err(|_| DeviceError::Shape(format!("grid of {n}/{per}")))
+/// A launch's grid: `(ceil(x.0 / x.1), y)` blocks of `threads` threads.
+#[derive(Clone, Copy, Debug)]
+struct Grid {
+    /// Items along x and items per block.
+    x: (usize, usize),
+    /// Blocks along y.
+    y: usize,
+    /// Threads per block.
+    threads: u32,
 }
 
-fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
+impl Grid {
+    /// One block of `threads` per item.
+    fn per_item(n: usize, threads: u32) -> Self {
+        Self {
+            x: (n, 1),
+            y: 1,
+            threads,
+        }
+    }
+
+    fn config(self) -> Result<LaunchConfig, DeviceError> {
+        let dim = |v: usize| {
+            u32::try_from(v).map_err(|_| DeviceError::Shape(format!("grid of {self:?}")))
+        };
+        Ok(LaunchConfig {
+            grid_dim: (dim(self.x.0.div_ceil(self.x.1))?, dim(self.y)?, 1),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
     }
 }
 
@@ -183,10 +206,29 @@ impl CudaDevice {
         })
     }
 
-    fn f(&self, name: &str) -> Result<&CudaFunction, DeviceError> {
-        self.funcs
+    /// Launches kernel `name` on `grid` with the arguments `args` pushes, in the
+    /// order of the kernel's signature.
+    ///
+    /// # Safety
+    /// `args` pushes exactly the kernel's parameters, with matching types, and every
+    /// buffer holds what the kernel reads and writes for this grid.
+    unsafe fn launch<'a>(
+        &'a self,
+        name: &str,
+        grid: Grid,
+        args: impl FnOnce(&mut LaunchArgs<'a>),
+    ) -> Result<(), DeviceError> {
+        let f: &'a CudaFunction = self
+            .funcs
             .get(name)
-            .ok_or_else(|| DeviceError::Driver(format!("kernel {name} not loaded")))
+            .ok_or_else(|| DeviceError::Driver(format!("kernel {name} not loaded")))?;
+        let config = grid.config()?;
+        let mut b = self.stream.launch_builder(f);
+        args(&mut b);
+        // SAFETY: the caller's contract (see `# Safety`).
+        unsafe { b.launch(config) }
+            .map(|_| ())
+            .map_err(|e| DeviceError::Driver(format!("launching {name}: {e}")))
     }
 
     /// Waits for every queued launch.
@@ -223,23 +265,6 @@ impl Device for CudaDevice {
         self.stream.clone_htod(src).map_err(drv)
     }
 
-    fn write<T: Elem>(&self, dst: &mut CudaSlice<T>, src: &[T]) -> Result<(), DeviceError> {
-        need("write", dst.len(), src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        let mut view = dst.slice_mut(0..src.len());
-        self.stream.memcpy_htod(src, &mut view).map_err(drv)
-    }
-
-    fn read<T: Elem>(&self, src: &CudaSlice<T>, len: usize) -> Result<Vec<T>, DeviceError> {
-        need("read", src.len(), len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        self.stream.clone_dtoh(&src.slice(0..len)).map_err(drv)
-    }
-
     fn len<T: Elem>(&self, buf: &CudaSlice<T>) -> usize {
         buf.len()
     }
@@ -249,7 +274,26 @@ impl Device for CudaDevice {
         Ok(Some(free))
     }
 
-    fn embed(
+    fn write_unchecked<T: Elem>(
+        &self,
+        dst: &mut CudaSlice<T>,
+        src: &[T],
+        _: Checked,
+    ) -> Result<(), DeviceError> {
+        let mut view = dst.slice_mut(0..src.len());
+        self.stream.memcpy_htod(src, &mut view).map_err(drv)
+    }
+
+    fn read_unchecked<T: Elem>(
+        &self,
+        src: &CudaSlice<T>,
+        len: usize,
+        _: Checked,
+    ) -> Result<Vec<T>, DeviceError> {
+        self.stream.clone_dtoh(&src.slice(0..len)).map_err(drv)
+    }
+
+    fn launch_embed(
         &self,
         fmt: QuantFormat,
         table: &CudaSlice<u8>,
@@ -257,26 +301,21 @@ impl Device for CudaDevice {
         out: &mut CudaSlice<f32>,
         n: usize,
         dim: usize,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("embed out", out.len(), n * dim)?;
-        if n == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
-        let f = self.f(if fmt == QuantFormat::Q8_0 {
-            "embed_q8_0"
-        } else {
-            "embed_q4_1"
-        })?;
+        // The table holds every token's row: the runner validated the tokens.
+        let name = format!("embed_{}", fmt.suffix());
         let (ni, di) = (int(n, "n")?, int(dim, "dim")?);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(table).arg(tokens).arg(out).arg(&ni).arg(&di);
-        // SAFETY: argument types and order match embed.cu's signature; buffer sizes
-        // were checked above (the table holds every validated token's row).
-        unsafe { b.launch(cfg((blocks(n, 1)?, 1), 256)) }.map_err(drv)?;
-        Ok(())
+        // SAFETY: the arguments follow embed.cu's signature; `Device::embed`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch(&name, Grid::per_item(n, 256), |b| {
+                b.arg(table).arg(tokens).arg(out).arg(&ni).arg(&di);
+            })
+        }
     }
 
-    fn rms_norm(
+    fn launch_rms_norm(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
@@ -285,21 +324,19 @@ impl Device for CudaDevice {
         n: usize,
         dim: usize,
         eps: f32,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("rms_norm out", out.len(), n * dim)?;
-        need("rms_norm rows", rows.len(), n)?;
-        if n == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
         let di = int(dim, "dim")?;
-        let mut b = self.stream.launch_builder(self.f("rms_norm")?);
-        b.arg(x).arg(w).arg(rows).arg(out).arg(&di).arg(&eps);
-        // SAFETY: matches rmsnorm.cu's rms_norm; sizes checked above.
-        unsafe { b.launch(cfg((blocks(n, 1)?, 1), 256)) }.map_err(drv)?;
-        Ok(())
+        // SAFETY: the arguments follow rmsnorm.cu (rms_norm)'s signature; `Device::rms_norm`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("rms_norm", Grid::per_item(n, 256), |b| {
+                b.arg(x).arg(w).arg(rows).arg(out).arg(&di).arg(&eps);
+            })
+        }
     }
 
-    fn add_rms_norm(
+    fn launch_add_rms_norm(
         &self,
         x: &mut CudaSlice<f32>,
         y: &CudaSlice<f32>,
@@ -308,76 +345,60 @@ impl Device for CudaDevice {
         n: usize,
         dim: usize,
         eps: f32,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("add_rms_norm", x.len().min(y.len()).min(out.len()), n * dim)?;
-        if n == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
         let di = int(dim, "dim")?;
-        let mut b = self.stream.launch_builder(self.f("add_rms_norm")?);
-        b.arg(x).arg(y).arg(w).arg(out).arg(&di).arg(&eps);
-        // SAFETY: matches rmsnorm.cu's add_rms_norm; sizes checked above.
-        unsafe { b.launch(cfg((blocks(n, 1)?, 1), 256)) }.map_err(drv)?;
-        Ok(())
+        // SAFETY: the arguments follow rmsnorm.cu (add_rms_norm)'s signature; `Device::add_rms_norm`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("add_rms_norm", Grid::per_item(n, 256), |b| {
+                b.arg(x).arg(y).arg(w).arg(out).arg(&di).arg(&eps);
+            })
+        }
     }
 
-    fn add(
+    fn launch_add(
         &self,
         x: &mut CudaSlice<f32>,
         y: &CudaSlice<f32>,
         len: usize,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("add", x.len().min(y.len()), len)?;
-        if len == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
         let li = int(len, "len")?;
-        let mut b = self.stream.launch_builder(self.f("add")?);
-        b.arg(x).arg(y).arg(&li);
-        // SAFETY: matches silu_mul.cu's add; sizes checked above.
-        unsafe { b.launch(cfg((blocks(len, 256)?, 1), 256)) }.map_err(drv)?;
-        Ok(())
+        let grid = Grid {
+            x: (len, 256),
+            y: 1,
+            threads: 256,
+        };
+        // SAFETY: the arguments follow silu_mul.cu (add)'s signature; `Device::add`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("add", grid, |b| {
+                b.arg(x).arg(y).arg(&li);
+            })
+        }
     }
 
-    fn matmul(
+    fn launch_matmul(
         &self,
         fmt: QuantFormat,
         w: &CudaSlice<u8>,
         x: &CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
         s: MatShape,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("matmul x", x.len(), s.n * s.cols)?;
-        need(
-            "matmul y",
-            y.len(),
-            s.n.saturating_sub(1) * s.ldy + s.yoff + s.rows,
-        )?;
-        need(
-            "matmul w",
-            w.len(),
-            s.rows * s.cols / 32 * fmt.block_bytes(),
-        )?;
-        if s.n == 0 || s.rows == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
-        if !s.cols.is_multiple_of(32) {
-            return Err(DeviceError::Shape(format!(
-                "{} columns: not whole blocks",
-                s.cols
-            )));
-        }
         let decode = s.n <= MATVEC_MAX_TOKENS;
-        let name = match (decode, fmt) {
-            (true, QuantFormat::Q4_1) => "matvec_q4_1",
-            (true, QuantFormat::Q8_0) => "matvec_q8_0",
-            (false, QuantFormat::Q4_1) => "matmul_q4_1",
-            (false, QuantFormat::Q8_0) => "matmul_q8_0",
-        };
-        let grid = if decode {
-            (blocks(s.rows, 8)?, blocks(s.n, 8)?)
+        let (kind, rows_per_block, tokens_per_block) = if decode {
+            ("matvec", 8, 8)
         } else {
-            (blocks(s.rows, 64)?, blocks(s.n, 32)?)
+            ("matmul", 64, 32)
+        };
+        let name = format!("{kind}_{}", fmt.suffix());
+        let grid = Grid {
+            x: (s.rows, rows_per_block),
+            y: s.n.div_ceil(tokens_per_block),
+            threads: 256,
         };
         let a = [
             int(s.rows, "rows")?,
@@ -386,38 +407,42 @@ impl Device for CudaDevice {
             int(s.ldy, "ldy")?,
             int(s.yoff, "yoff")?,
         ];
-        let mut b = self.stream.launch_builder(self.f(name)?);
-        b.arg(w).arg(x).arg(y);
-        for v in &a {
-            b.arg(v);
+        // SAFETY: the arguments follow matmul.cu's signature; `Device::matmul`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch(&name, grid, |b| {
+                b.arg(w).arg(x).arg(y);
+                for v in &a {
+                    b.arg(v);
+                }
+            })
         }
-        // SAFETY: matches matmul.cu's signatures; sizes checked above.
-        unsafe { b.launch(cfg(grid, 256)) }.map_err(drv)?;
-        Ok(())
     }
 
-    fn silu_mul(
+    fn launch_silu_mul(
         &self,
         gate_up: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         ffn: usize,
         n: usize,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("silu_mul in", gate_up.len(), 2 * n * ffn)?;
-        need("silu_mul out", out.len(), n * ffn)?;
-        if n * ffn == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
         let (fi, ni) = (int(ffn, "ffn")?, int(n, "n")?);
-        int(n * ffn, "n * ffn")?;
-        let mut b = self.stream.launch_builder(self.f("silu_mul")?);
-        b.arg(gate_up).arg(out).arg(&fi).arg(&ni);
-        // SAFETY: matches silu_mul.cu's silu_mul; sizes checked above.
-        unsafe { b.launch(cfg((blocks(n * ffn, 256)?, 1), 256)) }.map_err(drv)?;
-        Ok(())
+        let grid = Grid {
+            x: (n * ffn, 256),
+            y: 1,
+            threads: 256,
+        };
+        // SAFETY: the arguments follow silu_mul.cu (silu_mul)'s signature; `Device::silu_mul`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("silu_mul", grid, |b| {
+                b.arg(gate_up).arg(out).arg(&fi).arg(&ni);
+            })
+        }
     }
 
-    fn rope_store_kv(
+    fn launch_rope_store_kv(
         &self,
         qkv: &mut CudaSlice<f32>,
         pos: &CudaSlice<u32>,
@@ -427,17 +452,9 @@ impl Device for CudaDevice {
         kv: &KvParams,
         rope: RopeParams,
         n: usize,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("rope qkv", qkv.len(), n * kv.qkv_width())?;
-        need("rope pos/slots", pos.len().min(slots.len()), n)?;
-        if n == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
-        need(
-            "k cache",
-            k_cache.len().min(v_cache.len()),
-            kv.cache_len(kv.layer + 1),
-        )?;
+        // Slots were validated against the pool by the runner.
         let a = [
             int(kv.layer, "layer")?,
             int(kv.num_blocks, "num_blocks")?,
@@ -448,19 +465,20 @@ impl Device for CudaDevice {
             int(rope.rope_dims, "rope_dims")?,
         ];
         let ni = int(n, "n")?;
-        let mut b = self.stream.launch_builder(self.f("rope_store_kv")?);
-        b.arg(qkv).arg(pos).arg(slots).arg(k_cache).arg(v_cache);
-        for v in &a {
-            b.arg(v);
+        // SAFETY: the arguments follow rope_kv.cu's signature; `Device::rope_store_kv`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("rope_store_kv", Grid::per_item(n, 256), |b| {
+                b.arg(qkv).arg(pos).arg(slots).arg(k_cache).arg(v_cache);
+                for v in &a {
+                    b.arg(v);
+                }
+                b.arg(&rope.theta_scale).arg(&ni);
+            })
         }
-        b.arg(&rope.theta_scale).arg(&ni);
-        // SAFETY: matches rope_kv.cu; sizes checked above; slots were validated against
-        // the pool by the runner.
-        unsafe { b.launch(cfg((blocks(n, 1)?, 1), 256)) }.map_err(drv)?;
-        Ok(())
     }
 
-    fn paged_attention(
+    fn launch_paged_attention(
         &self,
         qkv: &CudaSlice<f32>,
         k_cache: &CudaSlice<u16>,
@@ -472,13 +490,9 @@ impl Device for CudaDevice {
         kv: &KvParams,
         scale: f32,
         n: usize,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("attention qkv", qkv.len(), n * kv.qkv_width())?;
-        need("attention out", out.len(), n * kv.n_heads * kv.head_dim)?;
-        need("attention pos/offsets", pos.len().min(table_off.len()), n)?;
-        if n == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
+        // Block tables cover every position: validated by the runner.
         let a = [
             int(kv.layer, "layer")?,
             int(kv.num_blocks, "num_blocks")?,
@@ -488,46 +502,49 @@ impl Device for CudaDevice {
             int(kv.head_dim, "head_dim")?,
         ];
         let ni = int(n, "n")?;
-        let heads = u32::try_from(kv.n_heads).map_err(|_| DeviceError::Shape("heads".into()))?;
-        let mut b = self.stream.launch_builder(self.f("paged_attention")?);
-        b.arg(qkv)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(block_tables)
-            .arg(table_off)
-            .arg(pos)
-            .arg(out);
-        for v in &a {
-            b.arg(v);
+        let grid = Grid {
+            x: (n, 1),
+            y: kv.n_heads,
+            threads: 32,
+        };
+        // SAFETY: the arguments follow attention.cu's signature; `Device::paged_attention`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("paged_attention", grid, |b| {
+                b.arg(qkv)
+                    .arg(k_cache)
+                    .arg(v_cache)
+                    .arg(block_tables)
+                    .arg(table_off)
+                    .arg(pos)
+                    .arg(out);
+                for v in &a {
+                    b.arg(v);
+                }
+                b.arg(&scale).arg(&ni);
+            })
         }
-        b.arg(&scale).arg(&ni);
-        // SAFETY: matches attention.cu; sizes checked above; tables cover every
-        // position (validated by the runner).
-        unsafe { b.launch(cfg((blocks(n, 1)?, heads), 32)) }.map_err(drv)?;
-        Ok(())
     }
 
-    fn argmax_rows(
+    fn launch_argmax_rows(
         &self,
         logits: &CudaSlice<f32>,
         rows: usize,
         vocab: usize,
         out: &mut CudaSlice<u32>,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        need("argmax logits", logits.len(), rows * vocab)?;
-        need("argmax out", out.len(), rows)?;
-        if rows == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
         let vi = int(vocab, "vocab")?;
-        let mut b = self.stream.launch_builder(self.f("argmax_rows")?);
-        b.arg(logits).arg(&vi).arg(out);
-        // SAFETY: matches sample.cu's argmax_rows; sizes checked above.
-        unsafe { b.launch(cfg((blocks(rows, 1)?, 1), 1024)) }.map_err(drv)?;
-        Ok(())
+        // SAFETY: the arguments follow sample.cu (argmax_rows)'s signature; `Device::argmax_rows`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("argmax_rows", Grid::per_item(rows, 1024), |b| {
+                b.arg(logits).arg(&vi).arg(out);
+            })
+        }
     }
 
-    fn sample_top_k_top_p(
+    fn launch_sample_top_k_top_p(
         &self,
         logits: &CudaSlice<f32>,
         scratch: &mut CudaSlice<f32>,
@@ -536,30 +553,24 @@ impl Device for CudaDevice {
         p: SampleParams,
         uniforms: &CudaSlice<f32>,
         out: &mut CudaSlice<u32>,
+        _: Checked,
     ) -> Result<(), DeviceError> {
-        check_sample_params(p)?;
-        need(
-            "sample logits",
-            logits.len().min(scratch.len()),
-            rows * vocab,
-        )?;
-        need("sample uniforms/out", uniforms.len().min(out.len()), rows)?;
-        if rows == 0 {
-            return Ok(()); // a zero-sized grid is a launch error
-        }
+        // The parameters are in the kernel's range: checked with the sizes.
         let (vi, ki) = (int(vocab, "vocab")?, int(p.top_k, "top_k")?);
-        let mut b = self.stream.launch_builder(self.f("sample_top_k_top_p")?);
-        b.arg(logits)
-            .arg(scratch)
-            .arg(&vi)
-            .arg(&ki)
-            .arg(&p.top_p)
-            .arg(&p.temperature)
-            .arg(uniforms)
-            .arg(out);
-        // SAFETY: matches sample.cu's sample_top_k_top_p; sizes and ranges checked above.
-        unsafe { b.launch(cfg((blocks(rows, 1)?, 1), 1024)) }.map_err(drv)?;
-        Ok(())
+        // SAFETY: the arguments follow sample.cu (sample_top_k_top_p)'s signature; `Device::sample_top_k_top_p`
+        // checked every buffer against this grid (the `Checked` argument).
+        unsafe {
+            self.launch("sample_top_k_top_p", Grid::per_item(rows, 1024), |b| {
+                b.arg(logits)
+                    .arg(scratch)
+                    .arg(&vi)
+                    .arg(&ki)
+                    .arg(&p.top_p)
+                    .arg(&p.temperature)
+                    .arg(uniforms)
+                    .arg(out);
+            })
+        }
     }
 
     fn begin_capture(&self) -> Result<bool, DeviceError> {

@@ -1,5 +1,5 @@
 //! The device forward pass: a [`ModelRunner`] over any [`Device`]. With
-//! [`super::device::CpuDevice`] it runs on the CPU twins (tests, no GPU needed); with
+//! [`super::CpuDevice`] it runs on the CPU twins (tests, no GPU needed); with
 //! `CudaDevice` it is the CUDA backend.
 //!
 //! Invariants:
@@ -15,8 +15,8 @@
 
 use std::collections::HashSet;
 
-use super::device::{Device, DeviceError, RopeParams};
 use super::twin::{KvParams, MatShape, QuantFormat};
+use super::{Device, DeviceError, RopeParams};
 use crate::backend::{
     BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner, validate_batch,
 };

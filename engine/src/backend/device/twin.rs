@@ -1,6 +1,6 @@
 //! CPU twins of the CUDA kernels in the top-level `kernels/`: the same arguments, the
 //! same layouts and the same arithmetic, on host slices (STYLE.md: every kernel has a
-//! CPU twin). [`super::device::CpuDevice`] runs the device forward pass on them, so the
+//! CPU twin). [`super::CpuDevice`] runs the device forward pass on them, so the
 //! orchestration of the GPU backend is exercised on machines without a GPU, and the
 //! kernel tests compare each kernel with its twin.
 //!
