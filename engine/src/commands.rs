@@ -119,7 +119,7 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         ..SamplingParams::default()
     };
-    params.validate().map_err(|e| anyhow::anyhow!(e))?;
+    params.validate()?;
     let mut runner = backend(
         &m.weights,
         args.runner.threads,
@@ -257,7 +257,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
         parallel: args.parallel.clone(),
         repetitions: args.repetitions,
     };
-    config.validate().map_err(|e| anyhow::anyhow!(e))?;
+    config.validate()?;
     let block_size = CpuConfig::default().block_size;
     let mut runner = backend(
         &m.weights,

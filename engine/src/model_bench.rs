@@ -49,14 +49,17 @@ impl BenchConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.prompt_tokens == 0
-            || self.gen_tokens == 0
-            || self.batch_prompt == 0
-            || self.repetitions == 0
-        {
-            return Err(format!("every size must be positive: {self:?}"));
+    /// [`BenchConfigError::Zero`] naming the first size that is 0.
+    pub fn validate(&self) -> Result<(), BenchConfigError> {
+        for (field, value) in [
+            ("prompt_tokens", self.prompt_tokens),
+            ("gen_tokens", self.gen_tokens),
+            ("batch_prompt", self.batch_prompt),
+            ("repetitions", self.repetitions),
+        ] {
+            if value == 0 {
+                return Err(BenchConfigError::Zero(field));
+            }
         }
         Ok(())
     }
@@ -68,6 +71,14 @@ impl BenchConfig {
         let most = self.parallel.iter().copied().max().unwrap_or(1);
         (most * per_seq).max((self.prompt_tokens + self.gen_tokens).div_ceil(block_size))
     }
+}
+
+/// A bad [`BenchConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BenchConfigError {
+    /// A size (the field named) is 0.
+    #[error("every size must be positive; {0} is 0")]
+    Zero(&'static str),
 }
 
 /// Measured tokens per second.

@@ -45,24 +45,58 @@ impl SamplingParams {
     /// Checks the ranges.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// The first value out of range.
+    pub fn validate(&self) -> Result<(), SamplingError> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
+            return Err(SamplingError::Temperature(self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return Err(SamplingError::TopP(self.top_p));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
+            return Err(SamplingError::RepetitionPenalty(self.repetition_penalty));
         }
-        if !self.frequency_penalty.is_finite() || !self.presence_penalty.is_finite() {
-            return Err("penalties must be finite".into());
+        if !self.frequency_penalty.is_finite() {
+            return Err(SamplingError::FrequencyPenalty(self.frequency_penalty));
+        }
+        if !self.presence_penalty.is_finite() {
+            return Err(SamplingError::PresencePenalty(self.presence_penalty));
         }
         Ok(())
+    }
+}
+
+/// A sampling setting out of range.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// Negative, or not finite.
+    #[error("temperature must be ≥ 0, got {0}")]
+    Temperature(f32),
+    /// Outside (0, 1].
+    #[error("top_p must be in (0, 1], got {0}")]
+    TopP(f32),
+    /// Not positive, or not finite.
+    #[error("repetition_penalty must be > 0, got {0}")]
+    RepetitionPenalty(f32),
+    /// Not finite.
+    #[error("frequency_penalty must be finite, got {0}")]
+    FrequencyPenalty(f32),
+    /// Not finite.
+    #[error("presence_penalty must be finite, got {0}")]
+    PresencePenalty(f32),
+}
+
+impl SamplingError {
+    /// The OpenAI request field that holds the bad value.
+    #[must_use]
+    pub fn param(&self) -> &'static str {
+        match self {
+            Self::Temperature(_) => "temperature",
+            Self::TopP(_) => "top_p",
+            Self::RepetitionPenalty(_) => "repetition_penalty",
+            Self::FrequencyPenalty(_) => "frequency_penalty",
+            Self::PresencePenalty(_) => "presence_penalty",
+        }
     }
 }
 
@@ -248,22 +282,25 @@ mod tests {
 
     #[test]
     fn validate_rejects_bad_ranges() {
-        assert!(
-            SamplingParams {
-                temperature: -1.0,
-                ..SamplingParams::default()
-            }
-            .validate()
-            .is_err()
-        );
-        assert!(
-            SamplingParams {
-                top_p: 0.0,
-                ..SamplingParams::default()
-            }
-            .validate()
-            .is_err()
-        );
+        let err = |p: SamplingParams| p.validate().expect_err("out of range");
+        let e = err(SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(e, SamplingError::Temperature(-1.0));
+        assert_eq!(e.param(), "temperature");
+        let e = err(SamplingParams {
+            top_p: 0.0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(e, SamplingError::TopP(0.0));
+        assert_eq!(e.param(), "top_p");
+        assert_eq!(e.to_string(), "top_p must be in (0, 1], got 0");
+        let e = err(SamplingParams {
+            presence_penalty: f32::INFINITY,
+            ..SamplingParams::default()
+        });
+        assert_eq!(e, SamplingError::PresencePenalty(f32::INFINITY));
         assert!(SamplingParams::default().validate().is_ok());
     }
 }

@@ -151,7 +151,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         inject_step_delay: args.faults.inject_delay,
         ..EngineConfig::default()
     };
-    config.validate().map_err(|e| anyhow::anyhow!(e))?;
+    config.validate()?;
     let admission = Admission::new(AdmissionConfig {
         max_num_seqs: args.max_num_seqs,
         max_queue: args.max_queue,
@@ -164,8 +164,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .tenant_burst
                 .unwrap_or_else(|| (10.0 * r).max(max_model_len as f64)),
         }),
-    })
-    .map_err(|e| anyhow::anyhow!(e))?;
+    })?;
     // Without `fault-injection` the default fills in `faults` (off); with it, every
     // field is set and the update is a no-op clippy flags.
     #[allow(clippy::needless_update)]
@@ -189,7 +188,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         },
         ..ApiConfig::default()
     };
-    api.validate().map_err(|e| anyhow::anyhow!(e))?;
+    api.validate()?;
     #[cfg(feature = "fault-injection")]
     if !args.faults.inject_delay.is_zero() || args.faults.inject_error_rate > 0.0 {
         tracing::warn!(
@@ -208,8 +207,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
-        let (engine, _task) = spawn_with_metrics(runner, config, Arc::clone(&metrics))
-            .map_err(|e| anyhow::anyhow!(e))?;
+        let (engine, _task) = spawn_with_metrics(runner, config, Arc::clone(&metrics))?;
         let state = Arc::new(
             AppState::new(
                 engine.clone(),
@@ -220,8 +218,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
                 api,
                 Arc::clone(&admission),
                 metrics,
-            )
-            .map_err(|e| anyhow::anyhow!(e))?,
+            )?,
         );
         let addr = SocketAddr::new(args.host, args.port);
         let listener = tokio::net::TcpListener::bind(addr)

@@ -50,15 +50,31 @@ impl CpuConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// [`CpuConfigError::EmptyKvStore`] with the two sizes.
+    pub fn validate(&self) -> Result<(), CpuConfigError> {
         if self.block_size == 0 || self.num_blocks == 0 {
-            return Err(format!(
-                "KV store needs blocks of at least one position, got {self:?}"
-            ));
+            return Err(CpuConfigError::EmptyKvStore {
+                block_size: self.block_size,
+                num_blocks: self.num_blocks,
+            });
         }
         Ok(())
     }
+}
+
+/// A bad [`CpuConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CpuConfigError {
+    /// No position to store: zero positions per block, or zero blocks.
+    #[error(
+        "KV store needs blocks of at least one position, got block_size {block_size} and num_blocks {num_blocks}"
+    )]
+    EmptyKvStore {
+        /// Positions per block.
+        block_size: usize,
+        /// Blocks per layer.
+        num_blocks: usize,
+    },
 }
 
 #[derive(Default)]
@@ -100,7 +116,7 @@ impl CpuBackend {
     /// # Errors
     /// An invalid config or a thread pool that cannot start.
     pub fn new(weights: Arc<LlamaWeights>, config: &CpuConfig) -> Result<Self, String> {
-        config.validate()?;
+        config.validate().map_err(|e| e.to_string())?;
         let c = &weights.config;
         let layout = KvLayout {
             block_size: config.block_size,

@@ -70,21 +70,39 @@ impl AdmissionConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.max_num_seqs == 0 || self.block_size == 0 || self.kv_budget_blocks == 0 {
-            return Err("max_num_seqs, block_size and kv_budget_blocks must be at least 1".into());
+    /// The first bad value.
+    pub fn validate(&self) -> Result<(), AdmissionConfigError> {
+        for (field, value) in [
+            ("max_num_seqs", self.max_num_seqs),
+            ("block_size", self.block_size),
+            ("kv_budget_blocks", self.kv_budget_blocks),
+        ] {
+            if value == 0 {
+                return Err(AdmissionConfigError::Zero(field));
+            }
         }
         if let Some(r) = self.tenant_rate
             && !(r.tokens_per_s > 0.0 && r.tokens_per_s.is_finite() && r.burst >= 1.0)
         {
-            return Err(format!(
-                "tenant rate must be > 0 tokens/s with a burst of at least 1 token, got {} / {}",
-                r.tokens_per_s, r.burst
-            ));
+            return Err(AdmissionConfigError::TenantRate(r));
         }
         Ok(())
     }
+}
+
+/// A bad [`AdmissionConfig`].
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum AdmissionConfigError {
+    /// A limit (the field named) that must be at least 1 is 0.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// A tenant rate that admits nothing, or not even one token at once.
+    #[error(
+        "tenant rate must be > 0 tokens/s with a burst of at least 1 token, got {} / {}",
+        .0.tokens_per_s,
+        .0.burst
+    )]
+    TenantRate(TenantRate),
 }
 
 /// What a request costs.
@@ -353,7 +371,7 @@ impl Admission {
     ///
     /// # Errors
     /// An invalid config.
-    pub fn new(config: AdmissionConfig) -> Result<Arc<Self>, String> {
+    pub fn new(config: AdmissionConfig) -> Result<Arc<Self>, AdmissionConfigError> {
         config.validate()?;
         Ok(Arc::new(Self {
             config,

@@ -205,11 +205,26 @@ fn tenants_are_limited_separately_and_503s_cost_nothing() {
 fn invalid_configs_are_refused() {
     let mut c = config();
     c.max_num_seqs = 0;
-    assert!(Admission::new(c).is_err());
+    assert_eq!(
+        Admission::new(c).err(),
+        Some(AdmissionConfigError::Zero("max_num_seqs"))
+    );
     let mut c = config();
-    c.tenant_rate = Some(TenantRate {
+    c.kv_budget_blocks = 0;
+    assert_eq!(
+        Admission::new(c).err(),
+        Some(AdmissionConfigError::Zero("kv_budget_blocks"))
+    );
+    let mut c = config();
+    let rate = TenantRate {
         tokens_per_s: 0.0,
         burst: 10.0,
-    });
-    assert!(Admission::new(c).is_err());
+    };
+    c.tenant_rate = Some(rate);
+    let e = Admission::new(c).err();
+    assert_eq!(e, Some(AdmissionConfigError::TenantRate(rate)));
+    assert_eq!(
+        e.map(|e| e.to_string()).as_deref(),
+        Some("tenant rate must be > 0 tokens/s with a burst of at least 1 token, got 0 / 10")
+    );
 }

@@ -79,18 +79,37 @@ impl BlockManagerConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// The first bad value.
+    pub fn validate(&self) -> Result<(), BlockConfigError> {
         if self.num_blocks == 0 || self.block_size == 0 {
-            return Err(format!(
-                "the KV pool needs at least one block of one position, got {self:?}"
-            ));
+            return Err(BlockConfigError::EmptyPool {
+                num_blocks: self.num_blocks,
+                block_size: self.block_size,
+            });
         }
         if self.num_blocks >= NIL as usize {
-            return Err(format!("at most {} KV blocks", NIL - 1));
+            return Err(BlockConfigError::TooManyBlocks(self.num_blocks));
         }
         Ok(())
     }
+}
+
+/// A bad [`BlockManagerConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BlockConfigError {
+    /// No position to store: zero blocks, or zero positions per block.
+    #[error(
+        "the KV pool needs at least one block of one position, got {num_blocks} blocks of {block_size}"
+    )]
+    EmptyPool {
+        /// Blocks in the pool.
+        num_blocks: usize,
+        /// Positions per block.
+        block_size: usize,
+    },
+    /// More blocks than a block id can name.
+    #[error("{0} KV blocks; at most {max}", max = NIL - 1)]
+    TooManyBlocks(usize),
 }
 
 /// What separates prefix-cache entries besides the tokens: KV namespace (from the
@@ -220,7 +239,7 @@ impl BlockManager {
     ///
     /// # Errors
     /// An invalid config.
-    pub fn new(config: BlockManagerConfig) -> Result<Self, String> {
+    pub fn new(config: BlockManagerConfig) -> Result<Self, BlockConfigError> {
         config.validate()?;
         let n = config.num_blocks;
         let meta = (0..n)

@@ -36,6 +36,7 @@ use super::metrics::ServingMetrics;
 use super::request_trace::RequestTrace;
 use super::scheduler::{
     AddError, FinishReason, ModelOutput, RequestId, SchedRequest, Scheduler, SchedulerConfig,
+    SchedulerConfigError,
 };
 use crate::backend::ModelRunner;
 use crate::sampling::{Sampler, SamplingParams};
@@ -69,14 +70,25 @@ impl EngineConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// The first bad value.
+    pub fn validate(&self) -> Result<(), EngineConfigError> {
         self.scheduler.validate()?;
         if self.command_capacity == 0 {
-            return Err("command_capacity must be at least 1".into());
+            return Err(EngineConfigError::CommandCapacity);
         }
         Ok(())
     }
+}
+
+/// A bad [`EngineConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EngineConfigError {
+    /// The scheduler's or its KV pool's.
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerConfigError),
+    /// A command channel that holds nothing.
+    #[error("command_capacity must be at least 1")]
+    CommandCapacity,
 }
 
 /// What to generate.
@@ -303,7 +315,7 @@ impl Actor {
 pub fn spawn(
     runner: BoxedRunner,
     config: EngineConfig,
-) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), String> {
+) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), EngineConfigError> {
     spawn_with_metrics(runner, config, Arc::new(ServingMetrics::new("", "")))
 }
 
@@ -315,7 +327,7 @@ pub fn spawn_with_metrics(
     runner: BoxedRunner,
     config: EngineConfig,
     metrics: Arc<ServingMetrics>,
-) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), String> {
+) -> Result<(EngineHandle, tokio::task::JoinHandle<BoxedRunner>), EngineConfigError> {
     config.validate()?;
     let scheduler = Scheduler::new(config.scheduler.clone())?;
     let (tx, rx) = mpsc::channel(config.command_capacity);

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use super::*;
 use crate::backend::{BackendError, Batch, KvGeometry, Logits};
 use crate::model::llama::LlamaConfig;
-use crate::serving::block_manager::BlockManagerConfig;
+use crate::serving::block_manager::{BlockConfigError, BlockManagerConfig};
 
 const VOCAB: usize = 64;
 const EOS: u32 = 1;
@@ -304,4 +304,38 @@ async fn metrics_follow_the_engine() {
         text.contains("slipway_request_queue_time_seconds_count{model=\"m\",release=\"r\"} 2"),
         "{text}"
     );
+}
+
+#[test]
+fn invalid_configs_name_the_bad_value() {
+    let mut c = config(64, 1);
+    c.scheduler.blocks.block_size = 0;
+    let e = c.validate().expect_err("an empty pool");
+    assert_eq!(
+        e,
+        EngineConfigError::Scheduler(SchedulerConfigError::Blocks(BlockConfigError::EmptyPool {
+            num_blocks: 64,
+            block_size: 0
+        }))
+    );
+    assert_eq!(
+        e.to_string(),
+        "the KV pool needs at least one block of one position, got 64 blocks of 0"
+    );
+    let mut c = config(64, 1);
+    c.scheduler.max_batched_tokens = 0;
+    assert_eq!(
+        c.validate(),
+        Err(SchedulerConfigError::Zero("max_batched_tokens").into())
+    );
+    let mut c = config(64, 1);
+    c.scheduler.max_model_len = 1;
+    assert_eq!(
+        c.validate().map_err(|e| e.to_string()),
+        Err("max_model_len must be at least 2, got 1".into())
+    );
+    let mut c = config(64, 1);
+    c.command_capacity = 0;
+    assert_eq!(c.validate(), Err(EngineConfigError::CommandCapacity));
+    assert!(spawn(Box::new(FakeRunner::new(64)), c).is_err());
 }

@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::block_manager::{BlockManager, BlockManagerConfig, CacheKey};
+use super::block_manager::{BlockConfigError, BlockManager, BlockManagerConfig, CacheKey};
 use crate::backend::{Batch, LogitsWanted, SeqChunk};
 
 /// Identifier of a request.
@@ -58,20 +58,34 @@ impl SchedulerConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// The first bad value.
+    pub fn validate(&self) -> Result<(), SchedulerConfigError> {
         self.blocks.validate()?;
         if self.max_num_seqs == 0 {
-            return Err("max_num_seqs must be at least 1".into());
+            return Err(SchedulerConfigError::Zero("max_num_seqs"));
         }
         if self.max_batched_tokens == 0 {
-            return Err("max_batched_tokens must be at least 1".into());
+            return Err(SchedulerConfigError::Zero("max_batched_tokens"));
         }
         if self.max_model_len < 2 {
-            return Err("max_model_len must be at least 2".into());
+            return Err(SchedulerConfigError::MaxModelLen(self.max_model_len));
         }
         Ok(())
     }
+}
+
+/// A bad [`SchedulerConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerConfigError {
+    /// The KV pool.
+    #[error(transparent)]
+    Blocks(#[from] BlockConfigError),
+    /// A limit (the field named) that must be at least 1 is 0.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// A context too short for a prompt token and a generated one.
+    #[error("max_model_len must be at least 2, got {0}")]
+    MaxModelLen(usize),
 }
 
 /// Why a request finished.
@@ -277,7 +291,7 @@ impl Scheduler {
     ///
     /// # Errors
     /// An invalid config.
-    pub fn new(config: SchedulerConfig) -> Result<Self, String> {
+    pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerConfigError> {
         config.validate()?;
         let blocks = BlockManager::new(config.blocks.clone())?;
         Ok(Self {

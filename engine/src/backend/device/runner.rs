@@ -53,27 +53,43 @@ impl DeviceConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// The first bad value.
+    pub fn validate(&self) -> Result<(), DeviceConfigError> {
         if self.block_size == 0 || self.num_blocks == Some(0) {
-            return Err(format!(
-                "KV store needs blocks of at least one position: {self:?}"
-            ));
+            return Err(DeviceConfigError::EmptyKvStore {
+                block_size: self.block_size,
+                num_blocks: self.num_blocks,
+            });
         }
         if !(self.memory_fraction > 0.0 && self.memory_fraction <= 1.0) {
-            return Err(format!(
-                "memory_fraction must be in (0, 1]: {}",
-                self.memory_fraction
-            ));
+            return Err(DeviceConfigError::MemoryFraction(self.memory_fraction));
         }
         if self.graph_buckets.contains(&0) || !self.graph_buckets.is_sorted() {
-            return Err(format!(
-                "graph buckets must be ascending and positive: {:?}",
-                self.graph_buckets
-            ));
+            return Err(DeviceConfigError::GraphBuckets(self.graph_buckets.clone()));
         }
         Ok(())
     }
+}
+
+/// A bad [`DeviceConfig`].
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum DeviceConfigError {
+    /// No position to store: zero positions per block, or zero blocks.
+    #[error(
+        "KV store needs blocks of at least one position: block_size {block_size}, num_blocks {num_blocks:?}"
+    )]
+    EmptyKvStore {
+        /// Positions per block.
+        block_size: usize,
+        /// Blocks, if set.
+        num_blocks: Option<usize>,
+    },
+    /// The share of device memory is outside (0, 1].
+    #[error("memory_fraction must be in (0, 1]: {0}")]
+    MemoryFraction(f64),
+    /// Graph batch sizes with a zero or out of order.
+    #[error("graph buckets must be ascending and positive: {0:?}")]
+    GraphBuckets(Vec<usize>),
 }
 
 /// Errors building a device runner.
@@ -88,7 +104,10 @@ pub enum LoadError {
     /// The device.
     #[error(transparent)]
     Device(#[from] DeviceError),
-    /// Something the device kernels do not handle, or a bad setting.
+    /// A bad setting.
+    #[error(transparent)]
+    Config(#[from] DeviceConfigError),
+    /// Something the device kernels do not handle.
     #[error("{0}")]
     Unsupported(String),
 }
@@ -267,7 +286,7 @@ impl<D: Device> DeviceRunner<D> {
     /// A bad setting, a tensor the device kernels cannot read, a device failure, or a
     /// KV pool that would hold no block.
     pub fn new(dev: D, file: &GgufFile, device_config: DeviceConfig) -> Result<Self, LoadError> {
-        device_config.validate().map_err(LoadError::Unsupported)?;
+        device_config.validate()?;
         let c = LlamaConfig::from_gguf(file)?;
         if !c.head_dim.is_multiple_of(32)
             || c.head_dim > 256

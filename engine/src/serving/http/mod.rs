@@ -131,28 +131,25 @@ impl ApiConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.max_model_len < 2 || self.max_output_tokens == 0 {
-            return Err("max_model_len must be ≥ 2 and max_output_tokens ≥ 1".into());
+    /// The first bad value.
+    pub fn validate(&self) -> Result<(), ApiConfigError> {
+        if self.max_model_len < 2 {
+            return Err(ApiConfigError::MaxModelLen(self.max_model_len));
+        }
+        if self.max_output_tokens == 0 {
+            return Err(ApiConfigError::NoOutputTokens);
         }
         let r = self.faults.error_rate;
         if !(0.0..=1.0).contains(&r) {
-            return Err(format!("inject-error-rate must be in [0, 1], got {r}"));
+            return Err(ApiConfigError::ErrorRate(r));
         }
         for (i, a) in self.adapters.iter().enumerate() {
             if *a == self.model_name || self.adapters[..i].contains(a) {
-                return Err(format!(
-                    "LoRA adapter name {a:?} is served twice (adapters and the base model need names of their own)"
-                ));
+                return Err(ApiConfigError::NameServedTwice(a.clone()));
             }
         }
         if self.adapters.len() > usize::from(u16::MAX) {
-            return Err(format!(
-                "{} LoRA adapters; at most {}",
-                self.adapters.len(),
-                u16::MAX
-            ));
+            return Err(ApiConfigError::TooManyAdapters(self.adapters.len()));
         }
         Ok(())
     }
@@ -165,6 +162,28 @@ impl ApiConfig {
             .cloned()
             .collect()
     }
+}
+
+/// A bad [`ApiConfig`].
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ApiConfigError {
+    /// A context too short for a prompt token and a generated one.
+    #[error("max_model_len must be at least 2, got {0}")]
+    MaxModelLen(usize),
+    /// No request could generate anything.
+    #[error("max_output_tokens must be at least 1")]
+    NoOutputTokens,
+    /// A share of requests to fail outside [0, 1].
+    #[error("inject-error-rate must be in [0, 1], got {0}")]
+    ErrorRate(f64),
+    /// A LoRA adapter's name that another adapter or the base model also has.
+    #[error(
+        "LoRA adapter name {0:?} is served twice (adapters and the base model need names of their own)"
+    )]
+    NameServedTwice(String),
+    /// More adapters than a request's adapter index can name.
+    #[error("{0} LoRA adapters; at most {max}", max = u16::MAX)]
+    TooManyAdapters(usize),
 }
 
 /// The model's text side: tokenizer and chat template.
@@ -206,7 +225,7 @@ impl AppState {
         config: ApiConfig,
         admission: Arc<Admission>,
         metrics: Arc<ServingMetrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ApiConfigError> {
         config.validate()?;
         Ok(Self {
             engine,

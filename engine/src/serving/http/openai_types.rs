@@ -295,7 +295,7 @@ pub(super) fn prepare(
     };
     sampling
         .validate()
-        .map_err(|m| ApiError::bad(m, Some("temperature")))?;
+        .map_err(|e| ApiError::bad(e.to_string(), Some(e.param())))?;
     let stops = match c.stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],

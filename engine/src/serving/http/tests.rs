@@ -750,7 +750,7 @@ async fn injected_faults_fail_that_share_of_requests_with_500() {
         },
         ..ApiConfig::default()
     };
-    assert!(bad.validate().is_err());
+    assert_eq!(bad.validate(), Err(ApiConfigError::ErrorRate(1.5)));
 }
 
 /// The `data:` payloads of an SSE body, the last one `[DONE]`.
