@@ -1,0 +1,175 @@
+//! Greedy and seeded sampling through the engine actor give the tokens recorded in
+//! `fixtures/sampled_tokens.txt`, on the real SmolLM2-135M-Instruct Q4_1 (CPU backend).
+//!
+//! The fixture was recorded before sampling moved from the actor into the model
+//! runner (when the actor sampled each step's logits itself), so this test holds the
+//! runner's sampling to the tokens the old path chose: greedy, seeded temperature with
+//! top-p, seeded top-k with top-p, and seeded sampling with penalties, twelve requests
+//! in one batch. Rewrite it only for a change that is meant to change tokens:
+//! `SLIPWAY_RECORD_SAMPLING_FIXTURE=1 cargo test -p slipway-engine --test
+//! sampling_equivalence` (see `fixtures/README.md`). A missing model fails with
+//! instructions (`make model`), never skips.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use slipway_engine::backend::ModelRunner;
+use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
+use slipway_engine::model::gguf::GgufFile;
+use slipway_engine::model::llama::LlamaWeights;
+use slipway_engine::sampling::SamplingParams;
+use slipway_engine::serving::block_manager::{BlockManagerConfig, CacheKey};
+use slipway_engine::serving::engine::{EngineConfig, Event, GenerateRequest, spawn};
+use slipway_engine::serving::scheduler::SchedulerConfig;
+use slipway_engine::testing::model_path;
+use slipway_engine::tokenizer::Tokenizer;
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/sampled_tokens.txt"
+);
+const RECORD: &str = "SLIPWAY_RECORD_SAMPLING_FIXTURE";
+
+/// The sampling modes, by name.
+fn modes() -> Vec<(&'static str, SamplingParams)> {
+    let seeded = |seed| SamplingParams {
+        seed,
+        ..SamplingParams::default()
+    };
+    vec![
+        ("greedy", SamplingParams::default()),
+        (
+            "temperature-top-p",
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                ..seeded(7)
+            },
+        ),
+        (
+            "top-k-top-p",
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 40,
+                top_p: 0.95,
+                ..seeded(11)
+            },
+        ),
+        (
+            "penalties",
+            SamplingParams {
+                temperature: 0.7,
+                repetition_penalty: 1.3,
+                frequency_penalty: 0.2,
+                presence_penalty: 0.1,
+                ..seeded(3)
+            },
+        ),
+    ]
+}
+
+const PROMPTS: [&str; 3] = [
+    "The river ran past the old mill and",
+    "Write a short poem about winter:",
+    "Q: What is the capital of France?\nA:",
+];
+
+/// Every (prompt, mode) request at once, so the steps batch sequences of different
+/// modes; one line per request: `prompt-index mode finish-reason: token ids`.
+async fn sample_all() -> String {
+    let path = model_path();
+    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let weights = Arc::new(
+        LlamaWeights::from_gguf(&file)
+            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display())),
+    );
+    let tokenizer = Tokenizer::from_metadata(file.metadata()).expect("tokenizer");
+    let runner = CpuBackend::new(
+        weights,
+        &CpuConfig {
+            num_blocks: 256,
+            ..CpuConfig::default()
+        },
+    )
+    .expect("backend");
+    let geometry = runner.kv_geometry();
+    let config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs: 16,
+            max_batched_tokens: 256,
+            max_model_len: 2048,
+            blocks: BlockManagerConfig {
+                num_blocks: geometry.num_blocks,
+                block_size: geometry.block_size,
+                enable_prefix_cache: true,
+            },
+        },
+        command_capacity: 64,
+        ..EngineConfig::default()
+    };
+    let (handle, _task) = spawn(Box::new(runner), config).expect("config");
+    let mut streams = Vec::new();
+    for (i, prompt) in PROMPTS.iter().enumerate() {
+        for (name, sampling) in modes() {
+            let request = GenerateRequest {
+                prompt: tokenizer.encode(prompt),
+                max_tokens: 24,
+                sampling,
+                eos: tokenizer.eog_tokens().to_vec(),
+                cache_key: CacheKey {
+                    namespace: "equivalence".into(),
+                    adapter: None,
+                    salt: None,
+                },
+                adapter: None,
+            };
+            let stream = handle.submit(request).await.expect("accepted");
+            streams.push((format!("{i} {name}"), stream));
+        }
+    }
+    let mut out = String::new();
+    for (label, mut stream) in streams {
+        let mut tokens = Vec::new();
+        let reason = loop {
+            match stream.events.recv().await {
+                Some(Event::Token(t)) => tokens.push(t.to_string()),
+                Some(Event::Finished { reason, .. }) => break format!("{reason:?}"),
+                Some(other) => panic!("{label}: {other:?}"),
+                None => panic!("{label}: stream ended without a final event"),
+            }
+        };
+        writeln!(out, "{label} {reason}: {}", tokens.join(" ")).expect("string");
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_and_seeded_sampling_give_the_recorded_tokens() {
+    let got = sample_all().await;
+    if std::env::var_os(RECORD).is_some() {
+        std::fs::write(FIXTURE, &got).unwrap_or_else(|e| panic!("writing {FIXTURE}: {e}"));
+        eprintln!("recorded {FIXTURE}:\n{got}");
+        return;
+    }
+    let want = std::fs::read_to_string(FIXTURE).unwrap_or_else(|e| {
+        panic!("{FIXTURE}: {e} (record it with {RECORD}=1, see fixtures/README.md)")
+    });
+    for (g, w) in got.lines().zip(want.lines()) {
+        assert_eq!(g, w, "sampled tokens differ from the recorded ones");
+    }
+    assert_eq!(got.lines().count(), want.lines().count(), "requests recorded");
+    // Each sampling mode chose differently from greedy somewhere, so the fixture
+    // really holds seeded draws (a sampler that ignored its settings would fail).
+    let tokens_of = |label: &str| {
+        want.lines()
+            .find(|l| l.starts_with(label))
+            .and_then(|l| l.split_once(": "))
+            .map(|(_, t)| t.to_owned())
+    };
+    for i in 0..PROMPTS.len() {
+        let greedy = tokens_of(&format!("{i} greedy"));
+        for (name, _) in modes().iter().skip(1) {
+            assert_ne!(tokens_of(&format!("{i} {name}")), greedy, "{i} {name}");
+        }
+    }
+}
