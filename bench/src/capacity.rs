@@ -302,7 +302,7 @@ pub fn run(
         };
         let planned = plan(&object, &observed, &now);
         if let Some(why) = planned.invalid {
-            return Err(invalid(why));
+            return Err(invalid(why.to_string()));
         }
         for child in &planned.delete {
             if child.kind == ChildKind::Pod {

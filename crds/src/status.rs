@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 /// Condition types the operator sets on an InferenceService.
 pub mod condition {
     /// Enough groups serve the stable release to carry peak demand (N_healthy).
+    /// False with a reason naming the failed check (e.g. `CapacityBoundsInverted`,
+    /// `EngineArgsRejected`; the README lists them) when the spec cannot be planned.
     pub const READY: &str = "Ready";
     /// A rollout or a scale change is in progress.
     pub const PROGRESSING: &str = "Progressing";

@@ -7,6 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::spec_error::SpecError;
+
 pub use slipway_contract::labels::{
     COMPONENT, ENDPOINT_SLICE_SERVICE, ENGINE_COMPONENT, FIELD_MANAGER, INSTANCE, MANAGED_BY, NAME,
     PART_OF, RANK, RELEASE, ROUTER_COMPONENT, VERSION, release_service, router,
@@ -33,13 +35,13 @@ pub const MAX_NAME_LEN: usize = 63 - 1 - slipway_api::bundle::SHORT_HASH_LEN;
 /// Checks that children of `name` get valid names.
 ///
 /// # Errors
-/// A sentence for the `Ready=False` condition when the name is too long.
-pub fn check_name(name: &str) -> Result<(), String> {
+/// [`SpecError::NameTooLong`] when the name is too long.
+pub fn check_name(name: &str) -> Result<(), SpecError> {
     if name.len() > MAX_NAME_LEN {
-        return Err(format!(
-            "metadata.name {name:?} has {} characters; at most {MAX_NAME_LEN} leave room for the names of its pods and Services",
-            name.len()
-        ));
+        return Err(SpecError::NameTooLong {
+            name: name.to_owned(),
+            max: MAX_NAME_LEN,
+        });
     }
     Ok(())
 }

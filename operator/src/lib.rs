@@ -21,6 +21,7 @@
 //! - [`rollout`]: canary rollouts (pure state machine, burn-rate analysis, metrics sources).
 //! - [`demand`]: measured demand (arrival rate and its peak) from the engines' counters.
 //! - [`scaling`]: how many healthy groups the demand needs, with hysteresis (pure).
+//! - [`spec_error`]: why a spec cannot be planned, with the condition reason of each case.
 
 pub mod conditions;
 pub mod demand;
@@ -39,6 +40,7 @@ pub mod reconcile;
 pub mod rollout;
 pub mod router;
 pub mod scaling;
+pub mod spec_error;
 pub mod types;
 
 pub use error::Error;

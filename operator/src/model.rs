@@ -5,6 +5,8 @@
 use slipway_api::spec::ReleaseBundle;
 use slipway_contract::Sha256Digest;
 
+use crate::spec_error::SpecError;
+
 /// Where the model volume is mounted in the engine container.
 pub(crate) const MODEL_DIR: &str = "/models";
 /// Where the other bundle files' volumes are mounted, one directory each.
@@ -25,35 +27,43 @@ impl Source {
     /// Reads the URI of the field `field` (for the error message).
     ///
     /// # Errors
-    /// A sentence for the `Ready=False` condition when the URI has no usable form.
-    pub fn parse(field: &str, uri: &str, sha256: Option<&str>) -> Result<Self, String> {
+    /// [`SpecError`] naming the field when the URI has no usable form, or a fetched
+    /// file has no valid sha256.
+    pub fn parse(field: &str, uri: &str, sha256: Option<&str>) -> Result<Self, SpecError> {
+        let bad_uri = |expected| SpecError::ArtifactUri {
+            field: field.to_owned(),
+            uri: uri.to_owned(),
+            expected,
+        };
         if let Some(rest) = uri.strip_prefix("pvc://") {
             return match rest.split_once('/') {
                 Some((claim, path)) if !claim.is_empty() && !path.is_empty() => Ok(Self::Claim {
                     claim: claim.to_owned(),
                     path: path.to_owned(),
                 }),
-                _ => Err(format!(
-                    "{field}.uri {uri:?}: expected pvc://<claim>/<path>"
-                )),
+                _ => Err(bad_uri("pvc://<claim>/<path>")),
             };
         }
         if uri.starts_with("https://") || uri.starts_with("http://") {
-            let sha256 = sha256.ok_or_else(|| {
-                format!("{field}.uri {uri:?} is fetched over the network, so {field}.sha256 is required to verify it")
+            let sha256 = sha256.ok_or_else(|| SpecError::ArtifactSha256Missing {
+                field: field.to_owned(),
+                uri: uri.to_owned(),
             })?;
             return Ok(Self::Fetch {
                 url: uri.to_owned(),
-                sha256: sha256.parse().map_err(|e| format!("{field}.sha256: {e}"))?,
+                sha256: sha256
+                    .parse()
+                    .map_err(|error| SpecError::ArtifactSha256Invalid {
+                        field: field.to_owned(),
+                        error,
+                    })?,
             });
         }
         let path = uri.strip_prefix("file://").unwrap_or(uri);
         if path.starts_with('/') {
             Ok(Self::Path(path.to_owned()))
         } else {
-            Err(format!(
-                "{field}.uri {uri:?}: expected an absolute path, file://, pvc:// or https://"
-            ))
+            Err(bad_uri("an absolute path, file://, pvc:// or https://"))
         }
     }
 }
@@ -95,8 +105,8 @@ impl BundleStaging {
     /// Reads the release's URIs.
     ///
     /// # Errors
-    /// A sentence for the `Ready=False` condition naming the first unusable URI.
-    pub fn parse(release: &ReleaseBundle) -> Result<Self, String> {
+    /// [`SpecError`] naming the first unusable URI.
+    pub fn parse(release: &ReleaseBundle) -> Result<Self, SpecError> {
         let model = Artifact {
             source: Source::parse(
                 "release.model",
@@ -111,7 +121,7 @@ impl BundleStaging {
             .tokenizer
             .as_ref()
             .map(|t| {
-                Ok::<_, String>(Artifact {
+                Ok::<_, SpecError>(Artifact {
                     source: Source::parse("release.tokenizer", &t.uri, t.sha256.as_deref())?,
                     volume: "tokenizer".to_owned(),
                     dir: format!("{BUNDLE_DIR}/tokenizer"),
@@ -136,7 +146,7 @@ impl BundleStaging {
                     },
                 ))
             })
-            .collect::<Result<_, String>>()?;
+            .collect::<Result<_, SpecError>>()?;
         Ok(Self {
             model,
             tokenizer,
@@ -189,11 +199,26 @@ mod tests {
             "adapters:\n- {name: a, uri: /a.gguf}\n- {name: b, uri: 'https://h/b.gguf'}\n",
         ))
         .unwrap_err();
+        assert_eq!(err.reason(), "ArtifactSha256Missing");
         assert!(
-            err.contains("release.adapters[1].sha256 is required"),
+            err.to_string()
+                .contains("release.adapters[1].sha256 is required"),
             "{err}"
         );
         let err = BundleStaging::parse(&release("tokenizer: {uri: relative.json}\n")).unwrap_err();
-        assert!(err.starts_with("release.tokenizer.uri"), "{err}");
+        assert_eq!(err.reason(), "ArtifactUriInvalid");
+        assert!(
+            err.to_string().starts_with("release.tokenizer.uri"),
+            "{err}"
+        );
+        let err = BundleStaging::parse(&release(
+            "tokenizer: {uri: 'https://h/t.json', sha256: abc}\n",
+        ))
+        .unwrap_err();
+        assert_eq!(err.reason(), "ArtifactSha256Invalid");
+        assert!(
+            err.to_string().starts_with("release.tokenizer.sha256: "),
+            "{err}"
+        );
     }
 }

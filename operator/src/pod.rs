@@ -46,6 +46,7 @@ use slipway_contract::{
 use crate::groups::PodShape;
 use crate::labels;
 use crate::model::{BundleStaging, Source};
+use crate::spec_error::SpecError;
 use crate::types::Context;
 
 /// Kubelet copies the tail of a failed container's log into its termination message
@@ -330,9 +331,10 @@ pub(crate) fn container_security_context() -> SecurityContext {
 /// InferenceService, then the user's `release.engine.args` on top.
 ///
 /// # Errors
-/// A sentence for the `Ready=False` condition: an argument the engine would reject,
-/// or one that overrides a value the operator owns (the drain budget, probes and
-/// metrics labels depend on those).
+/// [`SpecError`]: an argument the engine would reject, or one that overrides a value
+/// the operator owns (the drain budget, probes and metrics labels depend on those).
+/// The sha256s, SLO thresholds and `maxOutputTokens` are checked again as the engine
+/// reads them.
 pub fn serve_args(
     name: &str,
     spec: &InferenceServiceSpec,
@@ -341,28 +343,33 @@ pub fn serve_args(
     staging: &BundleStaging,
     drain: &DrainBudget,
     otlp_endpoint: Option<&str>,
-) -> Result<ServeArgs, String> {
+) -> Result<ServeArgs, SpecError> {
     let engine = &spec.release.engine;
     let release_bundle = &spec.release;
     let defaults = ServeArgs::for_model(staging.model.engine_path())
-        .map_err(|e| format!("release.model.uri: {}", first_line(&e)))?;
+        .map_err(|e| SpecError::ModelPathRejected(first_line(&e)))?;
+    let sha256 = |field: String, hex: &str| {
+        hex.parse()
+            .map_err(|error| SpecError::ArtifactSha256Invalid { field, error })
+    };
+    let slo = |field: &'static str, threshold: &str| {
+        duration::parse(threshold).map_err(|error| SpecError::SloThreshold { field, error })
+    };
     let decided = ServeArgs {
         model_sha256: spec
             .release
             .model
             .sha256
             .as_deref()
-            .map(str::parse)
-            .transpose()
-            .map_err(|e| format!("release.model.sha256: {e}"))?,
+            .map(|hex| sha256("release.model".to_owned(), hex))
+            .transpose()?,
         tokenizer: staging.tokenizer.as_ref().map(|t| t.engine_path().into()),
         tokenizer_sha256: release_bundle
             .tokenizer
             .as_ref()
             .and_then(|t| t.sha256.as_deref())
-            .map(str::parse)
-            .transpose()
-            .map_err(|e| format!("release.tokenizer.sha256: {e}"))?,
+            .map(|hex| sha256("release.tokenizer".to_owned(), hex))
+            .transpose()?,
         chat_template: release_bundle.chat_template.clone(),
         lora: staging
             .adapters
@@ -375,16 +382,16 @@ pub fn serve_args(
         lora_sha256: release_bundle
             .adapters
             .iter()
-            .filter_map(|a| {
+            .enumerate()
+            .filter_map(|(i, a)| {
                 a.sha256.as_deref().map(|hex| {
-                    hex.parse().map(|sha256| NamedSha256 {
+                    sha256(format!("release.adapters[{i}]"), hex).map(|sha256| NamedSha256 {
                         name: a.name.clone(),
                         sha256,
                     })
                 })
             })
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("release.adapters: {e}"))?,
+            .collect::<Result<_, _>>()?,
         // All addresses of the pod's own network namespace: the pod IP the kubelet
         // probes and the Services target, and loopback for `kubectl port-forward`.
         // The namespace has no other interface, so this exposes nothing more; binding
@@ -399,12 +406,10 @@ pub fn serve_args(
         ),
         release: release.to_owned(),
         kv_namespace: kv_namespace.to_owned(),
-        slo_ttft: duration::parse(&spec.slo.ttft.threshold)
-            .map_err(|e| format!("slo.ttft: {e}"))?,
-        slo_tpot: duration::parse(&spec.slo.tpot.threshold)
-            .map_err(|e| format!("slo.tpot: {e}"))?,
+        slo_ttft: slo("slo.ttft", &spec.slo.ttft.threshold)?,
+        slo_tpot: slo("slo.tpot", &spec.slo.tpot.threshold)?,
         max_output_tokens: u32::try_from(engine.max_output_tokens)
-            .map_err(|_| "release.engine.maxOutputTokens must be positive".to_owned())?,
+            .map_err(|_| SpecError::MaxOutputTokensNotPositive)?,
         shutdown_timeout: Duration::from_secs(drain.engine_shutdown_seconds),
         // `auto` is for people; a pod holding GPUs must never fall back to the CPU.
         device: match engine.device {
@@ -424,22 +429,10 @@ pub fn serve_args(
     };
     let merged = decided
         .with_extra_args(&engine.args)
-        .map_err(|e| format!("release.engine.args: {}", first_line(&e)))?;
+        .map_err(|e| SpecError::EngineArgsRejected(first_line(&e)))?;
     let overridden = owned_flags(&decided, &merged);
     if !overridden.is_empty() {
-        return Err(format!(
-            "release.engine.args must not set {}: the operator sets them from the InferenceService ({})",
-            overridden
-                .iter()
-                .map(|(flag, _)| *flag)
-                .collect::<Vec<_>>()
-                .join(", "),
-            overridden
-                .iter()
-                .map(|(flag, from)| format!("{flag} from {from}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        ));
+        return Err(SpecError::EngineArgsOverrideOperator { flags: overridden });
     }
     Ok(merged)
 }

@@ -53,6 +53,7 @@ use crate::pod::{
     TERMINATION_MESSAGE_POLICY, container_security_context, first_line, pod_security_context,
     pre_stop,
 };
+use crate::spec_error::SpecError;
 use crate::types::{Child, Context};
 
 /// The router image when the operator is given none (`--router-image`): named as the
@@ -91,15 +92,15 @@ pub fn http_route_resource() -> ApiResource {
 /// namespace is left unset: the router reads `POD_NAMESPACE` from its own pod.
 ///
 /// # Errors
-/// A sentence for the `Ready=False` condition when the parser refuses the name (no
-/// Kubernetes name is refused).
+/// [`SpecError::RouterArgsRejected`] when the parser refuses the name (no Kubernetes
+/// name is refused).
 pub fn args(
     name: &str,
     drain: &DrainBudget,
     otlp_endpoint: Option<&str>,
-) -> Result<RouterArgs, String> {
+) -> Result<RouterArgs, SpecError> {
     let defaults = RouterArgs::for_inference_service(name)
-        .map_err(|e| format!("router arguments: {}", first_line(&e)))?;
+        .map_err(|e| SpecError::RouterArgsRejected(first_line(&e)))?;
     Ok(RouterArgs {
         // All addresses of the pod's network namespace, as the engine binds (the
         // kubelet's probes and the Service reach the pod IP; port-forward loopback).

@@ -7,6 +7,7 @@ use slipway_api::status::{InferenceServiceStatus, condition};
 
 use crate::conditions::{self, Change, Computed};
 use crate::router;
+use crate::spec_error::SpecError;
 use crate::types::{EventType, PlannedEvent};
 
 /// The events the changes from the previous conditions to `computed` deserve.
@@ -113,11 +114,11 @@ pub(super) fn rebalancing(note: &str) -> PlannedEvent {
     }
 }
 
-/// The spec cannot be planned.
-pub(super) fn invalid_spec(reason: &str) -> PlannedEvent {
+/// The spec cannot be planned: the same reason as the `Ready=False` condition.
+pub(super) fn invalid_spec(error: &SpecError) -> PlannedEvent {
     PlannedEvent {
         type_: EventType::Warning,
-        reason: "InvalidSpec",
-        note: reason.to_owned(),
+        reason: error.reason(),
+        note: error.to_string(),
     }
 }

@@ -59,6 +59,7 @@ use crate::observed::Observed;
 use crate::pod::serve_args;
 use crate::router;
 use crate::scaling;
+use crate::spec_error::SpecError;
 
 use groups::{GroupsPlan, LiveGroups, earliest};
 use releases::{Releases, Stable};
@@ -83,8 +84,9 @@ pub struct Plan {
     pub events: Vec<PlannedEvent>,
     /// When to look again even if nothing changes (a backoff ending).
     pub requeue_after: Option<Duration>,
-    /// The spec cannot be planned; the reason is in `Ready=False`. Wait for a change.
-    pub invalid: Option<String>,
+    /// The spec cannot be planned; why is in `Ready=False` (its reason is
+    /// [`SpecError::reason`]). Wait for a change.
+    pub invalid: Option<SpecError>,
 }
 
 /// Plans one InferenceService. See the module documentation.
@@ -97,12 +99,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, now: &Time) -> Plan {
         isvc.metadata.namespace.as_deref(),
         isvc.controller_owner_ref(&()),
     ) else {
-        return invalid(
-            &previous,
-            generation,
-            now,
-            "the object has no name, namespace or uid".to_owned(),
-        );
+        return invalid(&previous, generation, now, SpecError::MissingIdentity);
     };
     let cold_start = scaling::cold_start(&observed.pods).or_else(|| {
         previous
@@ -174,16 +171,21 @@ fn read_spec<'a>(
     identity: Identity<'a>,
     hash: &'a BundleHash,
     sizing: &scaling::Input<'_>,
-) -> Result<(Context<'a>, scaling::Decision), String> {
+) -> Result<(Context<'a>, scaling::Decision), SpecError> {
     let Identity {
         name,
         namespace,
         owner,
     } = identity;
     labels::check_name(name)?;
-    let shape = group_shape(&isvc.spec.parallelism).map_err(|e| format!("parallelism: {e}"))?;
-    let capacity = scaling::decide(sizing).map_err(|e| format!("capacity: {e}"))?;
-    let drain = drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|e| format!("slo: {e}"))?);
+    let shape = group_shape(&isvc.spec.parallelism)?;
+    let capacity = scaling::decide(sizing)?;
+    let drain = drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|error| {
+        SpecError::SloThreshold {
+            field: "slo",
+            error,
+        }
+    })?);
     let staging = BundleStaging::parse(&isvc.spec.release)?;
     let kv_namespace = isvc
         .spec
@@ -348,13 +350,18 @@ fn plan_valid(
     }
 }
 
-/// The plan for a spec that cannot be planned: `Ready=False` with `reason`, nothing
-/// applied or deleted, and the rest of the status as it was.
-fn invalid(previous: &InferenceServiceStatus, generation: i64, now: &Time, reason: String) -> Plan {
-    let computed = Computed::new(condition::READY, false, "InvalidSpec", reason.clone());
+/// The plan for a spec that cannot be planned: `Ready=False` with the error's reason
+/// and message, nothing applied or deleted, and the rest of the status as it was.
+fn invalid(
+    previous: &InferenceServiceStatus,
+    generation: i64,
+    now: &Time,
+    error: SpecError,
+) -> Plan {
+    let computed = Computed::new(condition::READY, false, error.reason(), error.to_string());
     let events = match conditions::change(&previous.conditions, &computed) {
         Change::Unchanged => Vec::new(),
-        _ => vec![events::invalid_spec(&reason)],
+        _ => vec![events::invalid_spec(&error)],
     };
     Plan {
         apply: Vec::new(),
@@ -367,6 +374,6 @@ fn invalid(previous: &InferenceServiceStatus, generation: i64, now: &Time, reaso
         },
         events,
         requeue_after: None,
-        invalid: Some(reason),
+        invalid: Some(error),
     }
 }
