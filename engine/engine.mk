@@ -81,9 +81,7 @@ serve-chat-demo: model ## start slipway-engine serve on the real model and answe
 	  $(CARGO_TARGET_DIR)/release/slipway-engine serve --model "$$model" --port 0 \
 	    --served-model-name smollm2 >"$$log" 2>&1 & pid=$$!; \
 	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null; rm -f "$$log"' EXIT; \
-	  for i in $$(seq 1 600); do url="$$(sed -n 's/^listening on //p' "$$log")"; [ -n "$$url" ] && break; \
-	    kill -0 $$pid 2>/dev/null || { cat "$$log" >&2; exit 1; }; sleep 0.1; done; \
-	  [ -n "$$url" ] || { echo "serve did not start" >&2; exit 1; }; \
+	  url="$$(scripts/wait-listening $$pid "$$log" 60)" || { cat "$$log" >&2; exit 1; }; \
 	  curl -sS --fail-with-body "$$url/v1/chat/completions" -H 'content-type: application/json' \
 	    -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}'; echo
 

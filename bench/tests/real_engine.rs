@@ -11,36 +11,23 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::Value;
-use slipway_engine::testing::{ServeProcess, engine_binary, model_path};
+use slipway_contract::ServeArgs;
+use slipway_engine::testing::{EngineProcess, serve_args};
 
 /// The name the engine serves (it answers 404 to any other `model`).
 const MODEL_NAME: &str = "bench";
 
-fn start_engine() -> ServeProcess {
-    let mut command = Command::new(engine_binary());
-    command
-        .args(["serve", "--model"])
-        .arg(model_path())
-        .args([
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--threads",
-            "2",
-            "--kv-blocks",
-            "512",
-            "--max-model-len",
-            "1024",
-            "--served-model-name",
-            MODEL_NAME,
-        ])
-        .stderr(Stdio::inherit());
-    // Returns once the model is loaded and the port bound (its `listening on` line).
-    ServeProcess::spawn(command)
+fn start_engine() -> EngineProcess {
+    // Returns once the model is loaded and the port bound (its readiness line).
+    EngineProcess::spawn(&ServeArgs {
+        threads: Some(2),
+        kv_blocks: Some(512),
+        max_model_len: Some(1024),
+        ..serve_args(MODEL_NAME)
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -53,6 +53,34 @@ pub mod paths {
     pub const LOAD: &str = "/load";
 }
 
+/// The readiness line: what a Slipway server prints on stdout, once, when it serves.
+///
+/// `slipway-engine serve` prints `listening on http://HOST:PORT` after its model is
+/// loaded and its port bound, so requests are answered from then on; `slipway-router`
+/// prints it once its port is bound. With `--port 0` the line is the only way to
+/// learn the port, which makes it an interface, not a log line: nothing else goes to
+/// a server's stdout (logs go to stderr), and this module is its one definition.
+/// Readers: the tests (`slipway_engine::testing::EngineProcess`) and the scripts
+/// (`scripts/wait-listening`, which matches the same prefix).
+pub mod listening {
+    use std::net::SocketAddr;
+
+    /// What the line starts with; the rest is the server's base URL.
+    pub const PREFIX: &str = "listening on ";
+
+    /// The line for a server bound to `address`.
+    #[must_use]
+    pub fn line(address: SocketAddr) -> String {
+        format!("{PREFIX}http://{address}")
+    }
+
+    /// The base URL (`http://HOST:PORT`) in `line`, if it is the readiness line.
+    #[must_use]
+    pub fn url(line: &str) -> Option<&str> {
+        line.strip_prefix(PREFIX).map(str::trim)
+    }
+}
+
 /// Exit codes of `slipway-engine`, for reasons the operator reports by name.
 pub mod exit {
     /// Any other failure (bad flag values, a model that cannot load, an address in use).

@@ -437,3 +437,12 @@ fn load_report_is_json_both_ways() {
     let back: LoadReport = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
     assert_eq!(back, report);
 }
+
+#[test]
+fn the_readiness_line_carries_the_base_url() {
+    let address: std::net::SocketAddr = "127.0.0.1:40123".parse().expect("an address");
+    let line = crate::listening::line(address);
+    assert_eq!(line, "listening on http://127.0.0.1:40123");
+    assert_eq!(crate::listening::url(&line), Some("http://127.0.0.1:40123"));
+    assert_eq!(crate::listening::url("serving on http://127.0.0.1:1"), None);
+}

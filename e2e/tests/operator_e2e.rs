@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::{Child, Command, ExitCode};
+use std::process::{Command, ExitCode};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,7 @@ use serde_json::{Value, json};
 use slipway_e2e::build::cargo_build;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
+use slipway_engine::testing::ChildGuard;
 
 type TestFuture = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 type TestFn = fn(Arc<Env>) -> TestFuture;
@@ -146,7 +147,7 @@ fn build_operator() -> anyhow::Result<PathBuf> {
 
 /// An operator process; killed (SIGKILL) and reaped when dropped.
 struct Operator {
-    child: Option<Child>,
+    process: ChildGuard,
     log: PathBuf,
 }
 
@@ -166,49 +167,37 @@ impl Operator {
             std::fs::create_dir_all(dir)?;
         }
         let file = std::fs::File::create(&log)?;
-        let child = Command::new(&env.operator_bin)
-            .env("KUBECONFIG", identity.kubeconfig())
-            .env("RUST_LOG", "info,slipway_operator=debug")
-            .args([
-                "--namespace",
-                namespace,
-                "--lease-namespace",
-                namespace,
-                "--identity",
-                name,
-                "--metrics-addr",
-                "127.0.0.1:0",
-                "--lease-duration-seconds",
-                &LEASE_SECONDS.to_string(),
-                "--lease-retry-seconds",
-                &RETRY_SECONDS.to_string(),
-            ])
-            .stdout(file.try_clone()?)
-            .stderr(file)
-            .spawn()
-            .context("starting slipway-operator")?;
-        Ok(Self {
-            child: Some(child),
-            log,
-        })
+        let process = ChildGuard::spawn(
+            "slipway-operator",
+            Command::new(&env.operator_bin)
+                .env("KUBECONFIG", identity.kubeconfig())
+                .env("RUST_LOG", "info,slipway_operator=debug")
+                .args([
+                    "--namespace",
+                    namespace,
+                    "--lease-namespace",
+                    namespace,
+                    "--identity",
+                    name,
+                    "--metrics-addr",
+                    "127.0.0.1:0",
+                    "--lease-duration-seconds",
+                    &LEASE_SECONDS.to_string(),
+                    "--lease-retry-seconds",
+                    &RETRY_SECONDS.to_string(),
+                ])
+                .stdout(file.try_clone()?)
+                .stderr(file),
+        )?;
+        Ok(Self { process, log })
     }
 
     fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // Only our own child, by its handle.
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 

@@ -35,11 +35,10 @@
 //! prometheus=prometheus`, or `SLIPWAY_PROMETHEUS`), the model (`make model`, or
 //! `SLIPWAY_MODEL`). A missing one fails the run with instructions; nothing skips.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::{Arc, mpsc};
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
@@ -49,11 +48,12 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
+use slipway_contract::{FaultArgs, ServeArgs};
 use slipway_e2e::build::{cargo_build, cargo_build_features};
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests};
+use slipway_engine::testing::{ChildGuard, EngineProcess, MODEL_FILE, serve_args_with_model};
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL_NAME: &str = "smol";
 const ISVC: &str = "smollm2";
 /// Analysis interval (seconds) and windows: short so a run takes minutes.
@@ -158,41 +158,13 @@ impl Tools {
     }
 }
 
-/// A child process, killed (SIGKILL, by its own handle) and reaped when dropped.
-struct Process {
-    name: String,
-    child: Child,
-}
-
-impl Process {
-    fn spawn(name: &str, command: &mut Command, log: &Path) -> anyhow::Result<Self> {
-        let file =
-            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        let child = command
-            .stdout(file.try_clone()?)
-            .stderr(file)
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        Ok(Self {
-            name: name.to_owned(),
-            child,
-        })
-    }
-
-    /// Fails if the process has exited (it should be serving).
-    fn ensure_running(&mut self) -> anyhow::Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            bail!("{} exited early: {status}", self.name);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Spawns `command` with its stdout and stderr in `log`; killed and reaped on drop.
+fn spawn_logged(name: &str, command: &mut Command, log: &Path) -> anyhow::Result<ChildGuard> {
+    let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    Ok(ChildGuard::spawn(
+        name,
+        command.stdout(file.try_clone()?).stderr(file),
+    )?)
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the process to take).
@@ -207,64 +179,36 @@ fn start_engine(
     release: &str,
     port: u16,
     inject_delay_ms: u64,
-) -> anyhow::Result<Process> {
-    let mut child = Command::new(&tools.engine)
-        .args(["serve", "--model"])
-        .arg(&tools.model)
-        .args([
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--threads",
-            "1",
-            "--kv-blocks",
-            "256",
-            "--max-model-len",
-            "512",
-            "--served-model-name",
-            MODEL_NAME,
-            "--release",
-            release,
-            "--slo-ttft-ms",
-            "3000",
-            "--slo-tpot-ms",
-            &SLO_TPOT_MS.to_string(),
-            "--inject-delay-ms",
-            &inject_delay_ms.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(
-            logs.join(format!("engine-{release}.log")),
-        )?)
-        .spawn()
-        .context("starting slipway-engine serve")?;
-    let stdout = child.stdout.take().context("engine stdout")?;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with("listening on http://") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    let process = Process {
-        name: format!("engine {release}"),
-        child,
+) -> anyhow::Result<ChildGuard> {
+    let args = ServeArgs {
+        port,
+        threads: Some(1),
+        kv_blocks: Some(256),
+        max_model_len: Some(512),
+        release: release.to_owned(),
+        slo_ttft: Duration::from_millis(3000),
+        slo_tpot: Duration::from_millis(SLO_TPOT_MS),
+        faults: FaultArgs {
+            inject_delay: Duration::from_millis(inject_delay_ms),
+            ..FaultArgs::default()
+        },
+        ..serve_args_with_model(&tools.model, MODEL_NAME)
     };
-    rx.recv_timeout(Duration::from_secs(120))
-        .with_context(|| format!("engine {release} did not print `listening on` within 120 s"))?;
-    Ok(process)
+    let mut command = EngineProcess::command_with_binary(&tools.engine, &args);
+    command.stderr(std::fs::File::create(
+        logs.join(format!("engine-{release}.log")),
+    )?);
+    Ok(EngineProcess::start(format!("engine {release}"), command)?.into_process())
 }
 
 /// Open-loop load at one engine until dropped: short prompts, 4 output tokens.
-fn start_load(tools: &Tools, logs: &Path, name: &str, port: u16) -> anyhow::Result<Process> {
+fn start_load(tools: &Tools, logs: &Path, name: &str, port: u16) -> anyhow::Result<ChildGuard> {
     let workload = logs.join("workload.yaml");
     std::fs::write(
         &workload,
         "promptTokens: {kind: uniform, min: 16, max: 48}\noutputTokens: {kind: uniform, min: 4, max: 4}\napi: completions\n",
     )?;
-    Process::spawn(
+    spawn_logged(
         &format!("slipway-bench at {name}"),
         Command::new(&tools.bench)
             .args(["run", "--url", &format!("http://127.0.0.1:{port}")])
@@ -299,7 +243,7 @@ fn start_prometheus(
     port: u16,
     targets: &[u16],
     operator_port: u16,
-) -> anyhow::Result<Process> {
+) -> anyhow::Result<ChildGuard> {
     let dir = logs.join("prometheus");
     std::fs::create_dir_all(&dir)?;
     let targets: Vec<String> = targets.iter().map(|p| format!("127.0.0.1:{p}")).collect();
@@ -328,7 +272,7 @@ fn start_prometheus(
     });
     let config_path = dir.join("prometheus.yml");
     std::fs::write(&config_path, serde_yaml::to_string(&config)?)?;
-    Process::spawn(
+    spawn_logged(
         "prometheus",
         Command::new(&tools.prometheus)
             .arg(format!("--config.file={}", config_path.display()))
@@ -629,7 +573,7 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
     )?;
     let prom_url = format!("http://127.0.0.1:{prom_port}");
 
-    let _operator = Process::spawn(
+    let _operator = spawn_logged(
         "slipway-operator",
         Command::new(&tools.operator)
             .env("KUBECONFIG", identity.kubeconfig())

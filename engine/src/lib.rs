@@ -8,8 +8,8 @@
 //! - [`generate`]: single-sequence generation and scoring (CLI, oracle tests);
 //!   [`model_bench`]: `make bench-model`'s throughput shapes, beside llama.cpp's (the
 //!   load generator is the separate `slipway-bench` crate).
-//! - [`fetch`]: staging a model file (the pod's init container); [`testing`]: helpers
-//!   the tests of this and other crates share.
+//! - [`fetch`]: staging a model file (the pod's init container); `testing` (feature
+//!   `testing`, test builds only): helpers the tests of this and other crates share.
 
 pub mod backend;
 pub mod fetch;
@@ -21,5 +21,6 @@ pub mod model_bench;
 pub mod sampling;
 pub mod serving;
 pub mod template;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenizer;

@@ -226,7 +226,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
         tracing::info!(%local, model = %name, release = %args.release, blocks = g.num_blocks, max_output_tokens = args.max_output_tokens, "serving");
-        println!("listening on http://{local}");
+        println!("{}", slipway_contract::listening::line(local));
         let shutdown = {
             let state = Arc::clone(&state);
             let timeout = args.shutdown_timeout;

@@ -6,40 +6,26 @@
 //! with instructions, never skips.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use slipway_contract::{DeviceChoice, LoraModule, NamedSha256, ServeArgs};
 use slipway_engine::fetch::file_sha256;
 use slipway_engine::model::gguf::Value as Meta;
 use slipway_engine::model::gguf::write::GgufWriter;
-use slipway_engine::testing::{ServeProcess, lora_adapter_path, model_path};
+use slipway_engine::testing::{self, EngineProcess, lora_adapter_path, model_path};
 
 const MODEL: &str = "smollm2";
 
-/// `serve` with the test model under [`MODEL`] and `extra` flags.
-fn serve(extra: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_slipway-engine"));
-    command
-        .arg("serve")
-        .arg("--model")
-        .arg(model_path())
-        .args([
-            "--port",
-            "0",
-            "--served-model-name",
-            MODEL,
-            "--release",
-            "r1",
-            "--max-model-len",
-            "1024",
-            "--kv-blocks",
-            "256",
-            "--device",
-            "cpu",
-        ])
-        .args(extra);
-    command
+/// `serve` flags: the test model under [`MODEL`] on the CPU.
+fn serve_args() -> ServeArgs {
+    ServeArgs {
+        release: "r1".into(),
+        max_model_len: Some(1024),
+        kv_blocks: Some(256),
+        device: DeviceChoice::Cpu,
+        ..testing::serve_args(MODEL)
+    }
 }
 
 fn lora_flag(name: &str, path: &Path) -> String {
@@ -50,14 +36,17 @@ fn lora_flag(name: &str, path: &Path) -> String {
 async fn adapters_are_served_names_and_unknown_models_get_a_404_listing_them() {
     let adapter = lora_adapter_path();
     let (sha, _) = file_sha256(&adapter).expect("hash the adapter");
-    let mut command = serve(&[
-        "--lora",
-        &lora_flag("sql", &adapter),
-        "--lora-sha256",
-        &format!("sql={sha}"),
-    ]);
-    command.stderr(Stdio::inherit());
-    let server = ServeProcess::spawn(command);
+    let server = EngineProcess::spawn(&ServeArgs {
+        lora: vec![LoraModule {
+            name: "sql".into(),
+            path: adapter,
+        }],
+        lora_sha256: vec![NamedSha256 {
+            name: "sql".into(),
+            sha256: sha,
+        }],
+        ..serve_args()
+    });
     let c = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()
@@ -144,13 +133,11 @@ async fn adapters_are_served_names_and_unknown_models_get_a_404_listing_them() {
 /// Runs `serve` with `extra` flags, which must fail at start-up; returns the exit
 /// code and the last line of stderr.
 fn refused(extra: &[&str]) -> (Option<i32>, String) {
-    let out = serve(extra)
-        .stdin(Stdio::null())
-        .output()
-        .expect("running serve");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut command = EngineProcess::command(&serve_args());
+    command.args(extra);
+    let (status, stderr) = testing::refused(command);
     let last = stderr.lines().last().unwrap_or_default().to_owned();
-    (out.status.code(), last)
+    (status.code(), last)
 }
 
 /// An adapter for SmolLM2's layer 0 whose `attn_q` pair is `[in, a_rank]` ×

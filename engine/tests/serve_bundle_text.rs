@@ -9,50 +9,38 @@
 //! A missing model fails with instructions, never skips. One server at a time.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use sha2::Digest as _;
-use slipway_contract::exit;
+use slipway_contract::{ServeArgs, exit};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::template::{ChatMessage, ChatTemplate, RenderOptions, TemplateError};
-use slipway_engine::testing::{ServeProcess, model_path, read_sse};
+use slipway_engine::testing::{
+    EngineProcess, engine_binary, model_path, read_sse, refused, serve_args,
+};
 use slipway_engine::tokenizer::Tokenizer;
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const MODEL: &str = "smol";
 
-fn engine() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_slipway-engine"))
-}
-
 /// `serve` on the test model, a free port, and `extra` flags.
 fn serve(extra: &[&str]) -> Command {
-    let mut command = engine();
-    command
-        .arg("serve")
-        .arg("--model")
-        .arg(model_path())
-        .args([
-            "--port",
-            "0",
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "1024",
-            "--kv-blocks",
-            "256",
-        ])
-        .args(extra);
+    let mut command = EngineProcess::command(&ServeArgs {
+        max_model_len: Some(1024),
+        kv_blocks: Some(256),
+        ..serve_args(MODEL)
+    });
+    command.args(extra);
     command
 }
 
 /// The GGUF vocabulary as a `tokenizer.json` in `dir`, written by the engine's
 /// `tokenizer-json` subcommand.
 fn write_tokenizer_json(dir: &Path) -> PathBuf {
-    let out = engine()
+    let out = Command::new(engine_binary())
         .arg("tokenizer-json")
         .arg("--model")
         .arg(model_path())
@@ -72,34 +60,6 @@ fn sha256_hex(path: &Path) -> String {
     hex::encode(sha2::Sha256::digest(std::fs::read(path).expect("read")))
 }
 
-/// Runs a `serve` command that must refuse to start; returns its status and stderr.
-///
-/// # Panics
-/// If it is still running after 120 s (it would have started serving).
-fn refused(mut command: Command) -> (ExitStatus, String) {
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawning serve");
-    let mut stderr = child.stderr.take().expect("piped stderr");
-    let (tx, rx) = std::sync::mpsc::channel();
-    // stderr closes when the process exits.
-    std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
-        let _ = tx.send(text);
-    });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(text) => (child.wait().expect("wait"), text),
-        Err(_) => {
-            let _ = child.kill();
-            panic!("serve did not exit within 120 s: it should have refused to start");
-        }
-    }
-}
-
 /// The `Error: ...` line the process ends with.
 fn error_line(stderr: &str) -> &str {
     stderr
@@ -116,7 +76,7 @@ fn client() -> reqwest::Client {
         .expect("client")
 }
 
-async fn post(server: &ServeProcess, path: &str, body: &Value) -> Value {
+async fn post(server: &EngineProcess, path: &str, body: &Value) -> Value {
     let resp = client()
         .post(server.url(path))
         .json(body)
@@ -128,7 +88,7 @@ async fn post(server: &ServeProcess, path: &str, body: &Value) -> Value {
 }
 
 /// The text of a streamed chat: the concatenated `delta.content`s.
-async fn streamed_chat(server: &ServeProcess, body: &Value) -> String {
+async fn streamed_chat(server: &EngineProcess, body: &Value) -> String {
     let mut body = body.clone();
     body["stream"] = json!(true);
     let resp = client()
@@ -153,7 +113,7 @@ async fn streamed_chat(server: &ServeProcess, body: &Value) -> String {
 
 /// Greedy answers to a fixed set of requests: per request the text, the prompt
 /// token count and, for chats, the streamed text.
-async fn answers(server: &ServeProcess) -> Vec<(String, Value, Option<String>)> {
+async fn answers(server: &EngineProcess) -> Vec<(String, Value, Option<String>)> {
     let chats = [
         "What is the capital of France?",
         "Translate to French: I love 🚀 rockets, 先生, and the year 2024.",
@@ -194,12 +154,13 @@ async fn serve_with_the_generated_tokenizer_json_answers_as_with_the_gguf_vocabu
     let sha = sha256_hex(&tokenizer);
 
     let own = {
-        let server = ServeProcess::spawn(serve(&[]));
+        let server = EngineProcess::spawn_command(serve(&[]));
         answers(&server).await
     };
     let bundled = {
         let path = tokenizer.to_str().expect("UTF-8 path");
-        let server = ServeProcess::spawn(serve(&["--tokenizer", path, "--tokenizer-sha256", &sha]));
+        let server =
+            EngineProcess::spawn_command(serve(&["--tokenizer", path, "--tokenizer-sha256", &sha]));
         answers(&server).await
     };
     assert_eq!(bundled.len(), own.len());
@@ -239,7 +200,7 @@ async fn a_chat_template_override_is_rendered_as_minijinja_renders_it() {
         tokenizer.encode(&rendered).len()
     );
 
-    let server = ServeProcess::spawn(serve(&["--chat-template", template]));
+    let server = EngineProcess::spawn_command(serve(&["--chat-template", template]));
     let chat = post(
         &server,
         "/v1/chat/completions",

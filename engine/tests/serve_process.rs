@@ -14,44 +14,34 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use slipway_engine::testing::{ServeProcess, finish_reason, model_path, read_sse};
+use slipway_contract::ServeArgs;
+use slipway_engine::testing::{EngineProcess, finish_reason, read_sse, serve_args};
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const MODEL: &str = "smol";
 
 /// Starts `serve` on a free port with this file's defaults and `extra` flags, and
-/// waits for its "listening on" line.
-fn start_server(extra: &[&str]) -> ServeProcess {
+/// waits until it listens.
+fn start_server(extra: &[&str]) -> EngineProcess {
     assert!(
         cfg!(feature = "fault-injection") || !extra.iter().any(|a| a.starts_with("--inject")),
         "this test needs the engine's test-only fault injection: run it with \
              `--features fault-injection` (`make test` and the workspace's `cargo test` do)"
     );
-    let mut command = Command::new(env!("CARGO_BIN_EXE_slipway-engine"));
-    command
-        .arg("serve")
-        .arg("--model")
-        .arg(model_path())
-        .args([
-            "--port",
-            "0",
-            "--served-model-name",
-            MODEL,
-            "--release",
-            "r1",
-            "--max-model-len",
-            "1024",
-            "--kv-blocks",
-            "1024",
-        ])
-        .args(extra)
-        .stderr(Stdio::inherit());
-    ServeProcess::spawn(command)
+    let args = ServeArgs {
+        release: "r1".into(),
+        max_model_len: Some(1024),
+        kv_blocks: Some(1024),
+        ..serve_args(MODEL)
+    }
+    .with_extra_args(extra)
+    .unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+    EngineProcess::spawn(&args)
 }
 
 /// Waits for `server` to exit within `within`.
-async fn exit_status(server: &mut ServeProcess, within: Duration) -> std::process::ExitStatus {
+async fn exit_status(server: &mut EngineProcess, within: Duration) -> std::process::ExitStatus {
     server
         .exit_within(within)
         .await
@@ -70,7 +60,7 @@ fn completion(prompt: &str, max_tokens: usize, stream: bool) -> Value {
            "temperature": 0, "stream": stream})
 }
 
-async fn metrics_text(c: &reqwest::Client, s: &ServeProcess) -> String {
+async fn metrics_text(c: &reqwest::Client, s: &EngineProcess) -> String {
     c.get(s.url("/metrics"))
         .send()
         .await

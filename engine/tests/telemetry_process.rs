@@ -16,11 +16,12 @@
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use slipway_engine::testing::{ServeProcess, model_path, read_sse};
+use slipway_contract::{LogFormat, ServeArgs};
+use slipway_engine::testing::{ChildGuard, EngineProcess, read_sse, serve_args};
 
 /// A prompt word that must never appear in a span.
 const SECRET: &str = "Zanzibarite";
@@ -38,7 +39,7 @@ fn jaeger_binary() -> PathBuf {
 }
 
 /// Drains `server` (SIGTERM) and checks it exits 0 within 30 s.
-async fn drain(server: &mut ServeProcess) {
+async fn drain(server: &mut EngineProcess) {
     server.sigterm();
     let status = server
         .exit_within(Duration::from_secs(30))
@@ -56,7 +57,7 @@ fn free_port() -> u16 {
 
 /// A Jaeger all-in-one (in-memory storage) on free loopback ports; killed on drop.
 struct Jaeger {
-    child: Child,
+    process: ChildGuard,
     otlp_http: u16,
     query_http: u16,
     _dir: tempfile::TempDir,
@@ -109,15 +110,17 @@ exporters:
         );
         let path = dir.path().join("jaeger.yaml");
         std::fs::write(&path, config).expect("writing the Jaeger config");
-        let child = Command::new(jaeger_binary())
-            .arg(format!("--config={}", path.display()))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting jaeger");
+        let process = ChildGuard::spawn(
+            "jaeger",
+            Command::new(jaeger_binary())
+                .arg(format!("--config={}", path.display()))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit()),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         let mut jaeger = Self {
-            child,
+            process,
             otlp_http,
             query_http,
             _dir: dir,
@@ -125,8 +128,8 @@ exporters:
         let client = reqwest::Client::new();
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(Some(status)) = jaeger.child.try_wait() {
-                panic!("jaeger exited at start-up: {status}");
+            if let Err(e) = jaeger.process.ensure_running() {
+                panic!("at start-up: {e}");
             }
             let up = client.get(jaeger.query("/api/services")).send().await;
             if up.is_ok_and(|r| r.status().is_success()) {
@@ -189,13 +192,6 @@ exporters:
             && r.json::<Value>().await.expect("Jaeger's JSON")["data"][0]["spans"]
                 .as_array()
                 .is_some_and(|s| !s.is_empty())
-    }
-}
-
-impl Drop for Jaeger {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -277,23 +273,19 @@ fn parent_of(span: &Value) -> Option<&str> {
 async fn a_request_is_one_trace_in_jaeger_with_its_phases_in_order() {
     let jaeger = Jaeger::start().await;
     let log = tempfile::NamedTempFile::new().expect("a log file");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_slipway-engine"));
+    let mut args = ServeArgs {
+        release: "r1".into(),
+        max_model_len: Some(1024),
+        kv_blocks: Some(256),
+        ..serve_args("smol")
+    };
+    args.telemetry.logs.log_format = Some(LogFormat::Json);
+    args.telemetry.otlp_endpoint = Some(jaeger.otlp_endpoint());
+    let mut command = EngineProcess::command(&args);
     command
-        .arg("serve")
-        .arg("--model")
-        .arg(model_path())
-        .args([
-            "--port=0",
-            "--served-model-name=smol",
-            "--release=r1",
-            "--max-model-len=1024",
-            "--kv-blocks=256",
-            "--log-format=json",
-        ])
-        .arg(format!("--otlp-endpoint={}", jaeger.otlp_endpoint()))
         .env("RUST_LOG", "info")
         .stderr(log.reopen().expect("the log file"));
-    let mut server = ServeProcess::spawn(command);
+    let mut server = EngineProcess::spawn_command(command);
     let client = reqwest::Client::new();
 
     // A non-streamed and a streamed chat request, each from a known caller span; a
@@ -458,16 +450,15 @@ async fn a_request_is_one_trace_in_jaeger_with_its_phases_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn off_a_terminal_logs_default_to_json_lines_without_colours() {
     let log = tempfile::NamedTempFile::new().expect("a log file");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_slipway-engine"));
+    let mut command = EngineProcess::command(&ServeArgs {
+        kv_blocks: Some(64),
+        ..serve_args("smol")
+    });
     command
-        .arg("serve")
-        .arg("--model")
-        .arg(model_path())
-        .args(["--port=0", "--served-model-name=smol", "--kv-blocks=64"])
         .env("RUST_LOG", "info")
         .env_remove("SLIPWAY_LOG_FORMAT")
         .stderr(log.reopen().expect("the log file"));
-    let mut server = ServeProcess::spawn(command);
+    let mut server = EngineProcess::spawn_command(command);
     let response = reqwest::Client::new()
         .post(server.url("/v1/completions"))
         .header("x-request-id", "logs-1")

@@ -25,7 +25,6 @@
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -36,7 +35,7 @@ use slipway_api::spec::Device;
 use slipway_contract::{EngineCommand, LoraModule, NamedSha256, ServeArgs, exit};
 use slipway_engine::fetch::file_sha256;
 use slipway_engine::testing::{
-    ServeProcess, engine_binary, finish_reason, lora_adapter_path, model_path, read_sse,
+    EngineProcess, finish_reason, lora_adapter_path, model_path, read_sse, refused,
 };
 use slipway_operator::observed::Observed;
 use slipway_operator::plan::{Child as PlanChild, plan};
@@ -87,7 +86,7 @@ fn every_samples_pods_run_containers_the_engine_accepts() {
 }
 
 /// Starts the container's command with only what this machine needs remapped.
-fn start(container: &Container, serve: &ServeArgs) -> ServeProcess {
+fn start(container: &Container, serve: &ServeArgs) -> EngineProcess {
     let adapter = lora_adapter_path();
     let (adapter_sha256, _) = file_sha256(&adapter).expect("hashing the test adapter");
     let local = ServeArgs {
@@ -112,15 +111,12 @@ fn start(container: &Container, serve: &ServeArgs) -> ServeProcess {
         port: 0,
         ..serve.clone()
     };
-    let mut command = Command::new(engine_binary());
-    command
-        .args(EngineCommand::Serve(local).to_args())
-        .env_clear()
-        .stderr(Stdio::inherit());
+    let mut command = EngineProcess::command(&local);
+    command.env_clear();
     for var in container.env.iter().flatten() {
         command.env(&var.name, var.value.clone().unwrap_or_default());
     }
-    ServeProcess::spawn(command)
+    EngineProcess::spawn_command(command)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -284,13 +280,10 @@ async fn a_model_that_is_not_the_releases_is_refused_with_the_model_rejected_cod
         host: IpAddr::V4(Ipv4Addr::LOCALHOST),
         ..serve
     };
-    let output = Command::new(engine_binary())
-        .args(EngineCommand::Serve(wrong).to_args())
-        .env_clear()
-        .output()
-        .expect("running the engine");
-    assert_eq!(output.status.code(), Some(exit::MODEL_REJECTED));
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let mut command = EngineProcess::command(&wrong);
+    command.env_clear();
+    let (status, stderr) = refused(command);
+    assert_eq!(status.code(), Some(exit::MODEL_REJECTED));
     let last = stderr.lines().last().unwrap_or_default();
     assert!(
         last.starts_with("Error: model ") && last.contains("failed verification"),

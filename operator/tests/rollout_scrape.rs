@@ -11,41 +11,29 @@
 //! the model (`make model`, or `SLIPWAY_MODEL`); a missing one fails with instructions.
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use slipway_api::spec::AnalysisSpec;
-use slipway_engine::testing::{ServeProcess, engine_binary, model_path};
+use slipway_contract::ServeArgs;
+use slipway_engine::testing::{EngineProcess, serve_args};
 use slipway_operator::rollout::analysis::{Thresholds, Verdict, judge};
 use slipway_operator::rollout::source::{Reader, Target};
 
 const MODEL_NAME: &str = "smol";
 const REQUESTS: usize = 12;
 
-fn start_engine(release: &str, extra: &[&str]) -> ServeProcess {
-    let mut command = Command::new(engine_binary());
-    command
-        .args(["serve", "--model"])
-        .arg(model_path())
-        .args([
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--kv-blocks",
-            "256",
-            "--max-model-len",
-            "512",
-            "--served-model-name",
-            MODEL_NAME,
-            "--release",
-            release,
-            "--slo-tpot-ms",
-            "60",
-        ])
-        .args(extra)
-        .stderr(Stdio::inherit());
-    ServeProcess::spawn(command)
+fn start_engine(release: &str, extra: &[&str]) -> EngineProcess {
+    let args = ServeArgs {
+        threads: Some(1),
+        kv_blocks: Some(256),
+        max_model_len: Some(512),
+        release: release.to_owned(),
+        slo_tpot: Duration::from_millis(60),
+        ..serve_args(MODEL_NAME)
+    }
+    .with_extra_args(extra)
+    .unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+    EngineProcess::spawn(&args)
 }
 
 async fn complete(http: &reqwest::Client, address: &str) {

@@ -125,7 +125,8 @@ pub async fn serve(
     }
 }
 
-/// The bound address, printed as the engine does, so scripts and tests can wait for it.
+/// The bound address, as the readiness line ([`slipway_contract::listening`]) that
+/// scripts and tests wait for.
 pub fn announce(local: SocketAddr) {
-    println!("listening on http://{local}");
+    println!("{}", slipway_contract::listening::line(local));
 }

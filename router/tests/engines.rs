@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use serde_json::{Value, json};
+use slipway_contract::ServeArgs;
 use slipway_contract::metrics::{self, counter_total, router as names};
-use slipway_engine::testing::{ServeProcess, engine_binary, finish_reason, model_path, read_sse};
+use slipway_engine::testing::{EngineProcess, finish_reason, read_sse, serve_args};
 use slipway_router::discovery::{STATIC_CANARY, STATIC_STABLE};
 use slipway_router::split::session_draw;
 
@@ -38,33 +39,24 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// One test at a time: each starts two or three processes that each want a core.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn engine(extra: &[&str]) -> ServeProcess {
-    let mut command = Command::new(engine_binary());
-    command
-        .arg("serve")
-        .arg("--model")
-        .arg(model_path())
-        .args([
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "2048",
-            "--kv-blocks",
-            "512",
-        ])
-        .args(extra)
-        .env("RUST_LOG", "warn")
-        .stderr(Stdio::inherit());
-    ServeProcess::spawn(command)
+/// An engine with `--threads 1` and `extra` flags, its logs at `warn`.
+fn engine(extra: &[&str]) -> EngineProcess {
+    let args = ServeArgs {
+        threads: Some(1),
+        max_model_len: Some(2048),
+        kv_blocks: Some(512),
+        ..serve_args(MODEL)
+    }
+    .with_extra_args(extra)
+    .unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+    let mut command = EngineProcess::command(&args);
+    command.env("RUST_LOG", "warn");
+    EngineProcess::spawn_command(command)
 }
 
 /// The router over `stable` (and `canary` at `weight` %), on a free port.
-fn router(stable: &[&ServeProcess], canary: Option<(&ServeProcess, u8)>) -> ServeProcess {
-    let urls = |engines: &[&ServeProcess]| {
+fn router(stable: &[&EngineProcess], canary: Option<(&EngineProcess, u8)>) -> EngineProcess {
+    let urls = |engines: &[&EngineProcess]| {
         engines
             .iter()
             .map(|e| e.base().to_owned())
@@ -82,7 +74,7 @@ fn router(stable: &[&ServeProcess], canary: Option<(&ServeProcess, u8)>) -> Serv
         ]);
     }
     command.env("RUST_LOG", "warn").stderr(Stdio::inherit());
-    ServeProcess::spawn(command)
+    EngineProcess::spawn_command(command)
 }
 
 fn client() -> reqwest::Client {
@@ -110,7 +102,7 @@ where
 
 /// Waits until the router has read the engines' load reports (its `/v1/models` comes
 /// from them), so every test starts from the cost policy with a fresh view.
-async fn wait_for_models(http: &reqwest::Client, router: &ServeProcess) {
+async fn wait_for_models(http: &reqwest::Client, router: &EngineProcess) {
     let url = router.url("/v1/models");
     eventually(
         "the router to list the model from the engines' load reports",
@@ -137,7 +129,7 @@ async fn get_text(http: &reqwest::Client, url: &str) -> String {
         .unwrap_or_else(|e| panic!("GET {url}: reading the body: {e}"))
 }
 
-async fn scrape(http: &reqwest::Client, server: &ServeProcess) -> String {
+async fn scrape(http: &reqwest::Client, server: &EngineProcess) -> String {
     get_text(http, &server.url("/metrics")).await
 }
 
@@ -183,13 +175,13 @@ fn router_requests(text: &str, release: &str, outcome: &str) -> f64 {
     )
 }
 
-async fn post(http: &reqwest::Client, server: &ServeProcess, path: &str, body: &Value) -> Value {
+async fn post(http: &reqwest::Client, server: &EngineProcess, path: &str, body: &Value) -> Value {
     post_with(http, server, path, body, &[]).await
 }
 
 async fn post_with(
     http: &reqwest::Client,
-    server: &ServeProcess,
+    server: &EngineProcess,
     path: &str,
     body: &Value,
     headers: &[(&str, &str)],
@@ -214,7 +206,7 @@ async fn post_with(
 /// Sends a streamed request and reads its SSE payloads to `[DONE]` or the end.
 async fn stream(
     http: &reqwest::Client,
-    server: &ServeProcess,
+    server: &EngineProcess,
     path: &str,
     body: &Value,
     first: impl FnMut(),
@@ -286,7 +278,7 @@ fn running(load: &Value) -> u64 {
     load["running"].as_u64().unwrap_or(0)
 }
 
-async fn load(http: &reqwest::Client, engine: &ServeProcess) -> Value {
+async fn load(http: &reqwest::Client, engine: &EngineProcess) -> Value {
     let text = get_text(http, &engine.url("/load")).await;
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("/load is not JSON ({e}): {text}"))
 }

@@ -4,7 +4,7 @@
 //! and the operator as a process under its own identity.
 
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ use slipway_e2e::build::cargo_build_features;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::real_nodes::{self, ModelClaim, RealNode};
 use slipway_e2e::{Cluster, TestNamespace, crd, manifests};
+use slipway_engine::testing::ChildGuard;
 
 /// The engine's port in every pod (the operator's, and the hand-written pod's).
 pub const ENGINE_PORT: u16 = slipway_contract::ENGINE_PORT;
@@ -512,7 +513,7 @@ async fn endpoints_of(
 /// one namespace; killed (by its handle) when dropped. The host routes to pod IPs, so
 /// its direct scrape of engine pods reaches them as it would in a cluster.
 pub struct OperatorProcess {
-    child: Option<Child>,
+    process: ChildGuard,
     pub log: PathBuf,
     _identity: OperatorIdentity,
 }
@@ -531,25 +532,26 @@ impl OperatorProcess {
             std::fs::create_dir_all(dir)?;
         }
         let file = std::fs::File::create(&log)?;
-        let child = Command::new(operator_bin()?)
-            .env("KUBECONFIG", identity.kubeconfig())
-            .env("RUST_LOG", "info,slipway_operator=debug")
-            .args([
-                "--namespace",
-                ns.name(),
-                "--lease-namespace",
-                ns.name(),
-                "--identity",
-                "real-nodes-e2e",
-                "--metrics-addr",
-                "127.0.0.1:0",
-            ])
-            .stdout(file.try_clone()?)
-            .stderr(file)
-            .spawn()
-            .context("starting slipway-operator")?;
+        let process = ChildGuard::spawn(
+            "slipway-operator",
+            Command::new(operator_bin()?)
+                .env("KUBECONFIG", identity.kubeconfig())
+                .env("RUST_LOG", "info,slipway_operator=debug")
+                .args([
+                    "--namespace",
+                    ns.name(),
+                    "--lease-namespace",
+                    ns.name(),
+                    "--identity",
+                    "real-nodes-e2e",
+                    "--metrics-addr",
+                    "127.0.0.1:0",
+                ])
+                .stdout(file.try_clone()?)
+                .stderr(file),
+        )?;
         Ok(Self {
-            child: Some(child),
+            process,
             log,
             _identity: identity,
         })
@@ -564,21 +566,9 @@ impl OperatorProcess {
 
     /// Fails when the operator exited.
     pub fn ensure_running(&mut self) -> anyhow::Result<()> {
-        if let Some(child) = self.child.as_mut()
-            && let Some(status) = child.try_wait()?
-        {
-            bail!("slipway-operator exited ({status}):\n{}", self.tail());
+        if let Err(exited) = self.process.ensure_running() {
+            bail!("{exited}:\n{}", self.tail());
         }
         Ok(())
-    }
-}
-
-impl Drop for OperatorProcess {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // Only our own child, by its handle.
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
