@@ -9,6 +9,7 @@
 //! cancelled or failed request never turns into a number that looks like a latency.
 
 use serde::{Deserialize, Serialize};
+use slipway_contract::metrics::time_per_output_token;
 
 /// How a request ended. Every offered request ends in exactly one of these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -137,9 +138,8 @@ impl RequestRecord {
     /// completed with at least two output tokens.
     #[must_use]
     pub fn tpot_s(&self) -> Option<f64> {
-        let n = self.n_out();
         match (self.e2e_s(), self.ttft_s()) {
-            (Some(e2e), Some(ttft)) if n >= 2 => Some((e2e - ttft) / f64::from(n - 1)),
+            (Some(e2e), Some(ttft)) => time_per_output_token(ttft, e2e, u64::from(self.n_out())),
             _ => None,
         }
     }

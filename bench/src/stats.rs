@@ -14,8 +14,11 @@
 //!   the server's own gauges of requests running and waiting (L, sampled during the
 //!   run: [`crate::occupancy`]) and the client records' send/done timestamps (λ, W).
 
+use std::time::Duration;
+
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
+use slipway_contract::metrics::SloTargets;
 
 use crate::occupancy::{ServerSample, time_average};
 use crate::record::{Outcome, RequestRecord};
@@ -49,9 +52,18 @@ impl Slo {
     /// Whether one request met every per-request target.
     #[must_use]
     pub fn met_by(&self, r: &RequestRecord) -> bool {
-        r.outcome == Outcome::Completed
-            && r.ttft_s().is_some_and(|t| t * 1000.0 <= self.ttft_ms)
-            && r.tpot_s().is_none_or(|t| t * 1000.0 <= self.tpot_ms)
+        r.outcome == Outcome::Completed && self.targets().met_seconds(r.ttft_s(), r.tpot_s())
+    }
+
+    /// The per-request latency targets, as the engine and the router count them.
+    #[must_use]
+    pub fn targets(&self) -> SloTargets {
+        let from_ms =
+            |ms: f64| Duration::try_from_secs_f64(ms.max(0.0) / 1000.0).unwrap_or(Duration::MAX);
+        SloTargets {
+            ttft: from_ms(self.ttft_ms),
+            tpot: from_ms(self.tpot_ms),
+        }
     }
 
     /// One line for reports.

@@ -1,6 +1,9 @@
 //! The engine's metric names and labels that the operator (rollout analysis) and
 //! Prometheus queries read. The engine registers its families under these names; the
-//! operator parses scrapes and writes PromQL with them.
+//! operator parses scrapes and writes PromQL with them. The SLO-met rule the
+//! counters apply ([`SloTargets`], [`time_per_output_token`]) is defined here too.
+
+use std::time::Duration;
 
 /// Counter family of requests by how they ended (exposed as `slipway_requests_total`).
 pub const REQUESTS: &str = "slipway_requests";
@@ -46,6 +49,62 @@ pub const OUTCOME_LABEL: &str = "outcome";
 /// NAME=...`). The base model's series have no such label (PromQL: `adapter=""`),
 /// so a reader that ignores it sums every served name of a release.
 pub const ADAPTER_LABEL: &str = "adapter";
+
+/// The SLO's per-request latency targets (the CRD's `slo.ttft` and `slo.tpot`,
+/// `--slo-ttft-ms` and `--slo-tpot-ms` of the engine and the router): what
+/// [`REQUESTS_SLO_MET`] and [`router::REQUESTS_SLO_MET`] count against, and what the
+/// load generator judges its records by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SloTargets {
+    /// Time to first token.
+    pub ttft: Duration,
+    /// Time per output token after the first ([`time_per_output_token`]).
+    pub tpot: Duration,
+}
+
+impl Default for SloTargets {
+    /// The CRD's defaults: TTFT 2 s, TPOT 150 ms.
+    fn default() -> Self {
+        Self {
+            ttft: Duration::from_secs(2),
+            tpot: Duration::from_millis(150),
+        }
+    }
+}
+
+impl SloTargets {
+    /// Whether a successful request met both targets, given its TTFT (`None`: no
+    /// first token), its end-to-end latency and its output tokens.
+    #[must_use]
+    pub fn met(&self, ttft: Option<Duration>, e2e: Duration, output_tokens: u64) -> bool {
+        ttft.is_some_and(|ttft| {
+            let ttft = ttft.as_secs_f64();
+            self.met_seconds(
+                Some(ttft),
+                time_per_output_token(ttft, e2e.as_secs_f64(), output_tokens),
+            )
+        })
+    }
+
+    /// Whether a successful request met both targets, from its TTFT and TPOT in
+    /// seconds: TTFT within its target (a request without a first token has no TTFT
+    /// and does not meet it), and TPOT within its own (one without a TPOT, a single
+    /// output token, meets it trivially).
+    #[must_use]
+    pub fn met_seconds(&self, ttft_s: Option<f64>, tpot_s: Option<f64>) -> bool {
+        ttft_s.is_some_and(|t| t <= self.ttft.as_secs_f64())
+            && tpot_s.is_none_or(|t| t <= self.tpot.as_secs_f64())
+    }
+}
+
+/// Time per output token (TPOT), seconds: (E2E − TTFT) / (output tokens − 1), the gap
+/// between tokens after the first; `None` under two output tokens, where there is no
+/// gap. The one definition the engine's and the router's SLO counters, the router's
+/// TPOT histogram and the load generator's reports use.
+#[must_use]
+pub fn time_per_output_token(ttft_s: f64, e2e_s: f64, output_tokens: u64) -> Option<f64> {
+    (output_tokens >= 2).then(|| (e2e_s - ttft_s).max(0.0) / (output_tokens - 1) as f64)
+}
 
 /// The sample name of a counter family in the text format.
 #[must_use]
@@ -103,6 +162,18 @@ impl Outcome {
     #[must_use]
     pub fn is_slo_eligible(self) -> bool {
         matches!(self, Self::Ok | Self::Error | Self::Rejected503)
+    }
+
+    /// The PromQL regex (`ok|rejected_503|error`) that matches the [`OUTCOME_LABEL`] of
+    /// the outcomes `keep` accepts, in label order.
+    #[must_use]
+    pub fn regex(keep: impl Fn(Self) -> bool) -> String {
+        Self::ALL
+            .into_iter()
+            .filter(|&o| keep(o))
+            .map(Self::as_str)
+            .collect::<Vec<_>>()
+            .join("|")
     }
 }
 

@@ -446,3 +446,45 @@ fn the_readiness_line_carries_the_base_url() {
     assert_eq!(crate::listening::url(&line), Some("http://127.0.0.1:40123"));
     assert_eq!(crate::listening::url("serving on http://127.0.0.1:1"), None);
 }
+
+#[test]
+fn the_slo_needs_ttft_and_tpot_within_target() {
+    use crate::metrics::SloTargets;
+    let ms = Duration::from_millis;
+    let slo = SloTargets {
+        ttft: ms(100),
+        tpot: ms(10),
+    };
+    // 11 tokens, 100 ms after the first: TPOT 10 ms.
+    assert!(slo.met(Some(ms(100)), ms(200), 11));
+    assert!(!slo.met(Some(ms(101)), ms(200), 11));
+    assert!(!slo.met(Some(ms(100)), ms(201), 11));
+    // One token: TPOT is met trivially, TTFT still counts.
+    assert!(slo.met(Some(ms(50)), ms(5000), 1));
+    assert!(!slo.met(Some(ms(150)), ms(150), 1));
+    // No first token: no TTFT, not met.
+    assert!(!slo.met(None, ms(1), 0));
+}
+
+#[test]
+fn tpot_is_the_gap_after_the_first_token() {
+    use crate::metrics::time_per_output_token;
+    assert_eq!(time_per_output_token(0.25, 1.25, 5), Some(0.25));
+    assert_eq!(time_per_output_token(0.1, 0.5, 1), None);
+    assert_eq!(time_per_output_token(0.1, 0.5, 0), None);
+    // A clock that went backwards is no negative gap.
+    assert_eq!(time_per_output_token(0.5, 0.1, 3), Some(0.0));
+}
+
+#[test]
+fn outcome_regexes_list_the_label_values_in_order() {
+    use crate::metrics::Outcome;
+    assert_eq!(
+        Outcome::regex(Outcome::is_slo_eligible),
+        "ok|rejected_503|error"
+    );
+    assert_eq!(
+        Outcome::regex(Outcome::is_rejection),
+        "rejected_429|rejected_503"
+    );
+}

@@ -11,6 +11,8 @@
 //! - [`duration`]: the Go-style duration strings (`"30s"`, `"1h30m"`) the spec uses.
 //! - [`slo`]: the error-budget burn rate and the multi-window burn-rate tiers the
 //!   canary analysis and the generated Prometheus alerts share.
+//! - `testing` (feature `testing`, test builds only): the invalid-object table the
+//!   unit and e2e tests share, and the JSON fixture comparisons.
 //!
 //! This crate does no I/O: no client, no runtime, no clock. Everything here is a plain
 //! function over plain data so the operator's decisions can be tested as tables.
@@ -22,6 +24,8 @@ pub mod duration;
 pub mod slo;
 pub mod spec;
 pub mod status;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use spec::{InferenceService, InferenceServiceSpec};
 pub use status::InferenceServiceStatus;

@@ -30,6 +30,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, ResourceExt};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
+use slipway_api::testing::condition_status;
 use slipway_e2e::build::cargo_build;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
@@ -269,7 +270,7 @@ impl Setup {
                     status["observedGeneration"].as_i64() == o.metadata.generation
                         && status["replicas"]["desired"] == groups
                         && status["replicas"]["ready"] == groups
-                        && condition(status, "Ready") == Some("True")
+                        && condition_status(status, "Ready") == Some("True")
                 })
             },
         )
@@ -318,14 +319,6 @@ impl Setup {
         );
         Ok(())
     }
-}
-
-fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a str> {
-    status["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)?["status"]
-        .as_str()
 }
 
 fn pod_ready(pod: &Pod) -> bool {
@@ -380,7 +373,7 @@ async fn cpu_sample_becomes_ready_spread_over_zones_and_scales(
     // 1.5 / 0.5 = 3 needed; ceil(3 / 0.66) = 5 provisioned.
     let isvc = setup.wait_ready("smollm2", 5).await?;
     ensure!(
-        condition(&isvc.data["status"], "FaultTolerant") == Some("True"),
+        condition_status(&isvc.data["status"], "FaultTolerant") == Some("True"),
         "not fault tolerant: {:#}",
         isvc.data["status"]
     );
@@ -650,8 +643,8 @@ async fn reapplying_the_same_manifest_changes_nothing(env: Arc<Env>) -> anyhow::
         CONVERGE,
         |o: Option<&DynamicObject>| {
             o.is_some_and(|o| {
-                condition(&o.data["status"], "FaultTolerant") == Some("True")
-                    && condition(&o.data["status"], "Progressing") == Some("False")
+                condition_status(&o.data["status"], "FaultTolerant") == Some("True")
+                    && condition_status(&o.data["status"], "Progressing") == Some("False")
                     && o.data["status"]["replicas"]["serving"] == 5
             })
         },

@@ -48,6 +48,8 @@ use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
+use slipway_api::testing::condition;
+use slipway_contract::metrics::{OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, counter_total};
 use slipway_contract::{FaultArgs, ServeArgs};
 use slipway_e2e::build::{cargo_build, cargo_build_features};
 use slipway_e2e::rbac::OperatorIdentity;
@@ -400,7 +402,9 @@ async fn dashboard_panels_return_series(http: &reqwest::Client, url: &str) -> an
 /// Eligible requests of `release` in the short window, as the operator's query counts them.
 fn eligible_query(release: &str) -> String {
     format!(
-        "sum(increase(slipway_requests_total{{release=\"{release}\",outcome=~\"ok|error|rejected_503\"}}[{SHORT_WINDOW}]))"
+        "sum(increase({}{{{RELEASE_LABEL}=\"{release}\",{OUTCOME_LABEL}=~\"{}\"}}[{SHORT_WINDOW}]))",
+        counter_total(REQUESTS),
+        Outcome::regex(Outcome::is_slo_eligible)
     )
 }
 
@@ -534,13 +538,6 @@ struct EventRow {
     reason: String,
     note: String,
     count: i32,
-}
-
-fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
-    status["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
 }
 
 async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<()> {

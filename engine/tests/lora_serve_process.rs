@@ -9,6 +9,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use slipway_contract::metrics::{
+    ADAPTER_LABEL, MODEL_LABEL, OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, counter_total,
+};
 use slipway_contract::{DeviceChoice, LoraModule, NamedSha256, ServeArgs};
 use slipway_engine::fetch::file_sha256;
 use slipway_engine::model::gguf::Value as Meta;
@@ -114,14 +117,15 @@ async fn adapters_are_served_names_and_unknown_models_get_a_404_listing_them() {
         .text()
         .await
         .expect("text");
+    let ok = format!(
+        "{MODEL_LABEL}=\"{MODEL}\",{RELEASE_LABEL}=\"r1\",{OUTCOME_LABEL}=\"{}\"",
+        Outcome::Ok.as_str()
+    );
     for (labels, want) in [
-        (r#"model="smollm2",release="r1",outcome="ok""#, "1"),
-        (
-            r#"model="smollm2",release="r1",outcome="ok",adapter="sql""#,
-            "1",
-        ),
+        (ok.clone(), "1"),
+        (format!("{ok},{ADAPTER_LABEL}=\"sql\""), "1"),
     ] {
-        let series = format!("slipway_requests_total{{{labels}}}");
+        let series = format!("{}{{{labels}}}", counter_total(REQUESTS));
         let got = metrics
             .lines()
             .find_map(|l| l.strip_prefix(&series)?.strip_prefix(' '))

@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use slipway_contract::ServeArgs;
+use slipway_contract::metrics::{
+    KV_USAGE, MODEL_LABEL, OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, RUNNING, counter_total,
+};
 use slipway_engine::testing::{EngineProcess, finish_reason, read_sse, serve_args};
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -71,10 +74,13 @@ async fn metrics_text(c: &reqwest::Client, s: &EngineProcess) -> String {
 }
 
 /// The value of the series `name{model,release[,outcome]}`.
-fn metric(text: &str, name: &str, outcome: Option<&str>) -> f64 {
+fn metric(text: &str, name: &str, outcome: Option<Outcome>) -> f64 {
     let labels = match outcome {
-        Some(o) => format!("{{model=\"{MODEL}\",release=\"r1\",outcome=\"{o}\"}}"),
-        None => format!("{{model=\"{MODEL}\",release=\"r1\"}}"),
+        Some(o) => format!(
+            "{{{MODEL_LABEL}=\"{MODEL}\",{RELEASE_LABEL}=\"r1\",{OUTCOME_LABEL}=\"{}\"}}",
+            o.as_str()
+        ),
+        None => format!("{{{MODEL_LABEL}=\"{MODEL}\",{RELEASE_LABEL}=\"r1\"}}"),
     };
     let series = format!("{name}{labels}");
     text.lines()
@@ -194,12 +200,7 @@ async fn requests_still_running_when_the_shutdown_budget_ends_get_an_explicit_er
     started.recv().await.expect("the stream started");
     // Both admitted and running before the drain starts.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while metric(
-        &metrics_text(&c, &server).await,
-        "slipway_num_requests_running",
-        None,
-    ) < 2.0
-    {
+    while metric(&metrics_text(&c, &server).await, RUNNING, None) < 2.0 {
         assert!(Instant::now() < deadline, "the second request never ran");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -299,11 +300,11 @@ async fn an_open_loop_burst_is_shed_with_retry_after_while_health_stays_fast() {
     assert!(shed >= 1, "nothing was shed");
     let text = metrics_text(&c, &server).await;
     assert_eq!(
-        metric(&text, "slipway_requests_total", Some("ok")),
+        metric(&text, &counter_total(REQUESTS), Some(Outcome::Ok)),
         f64::from(ok)
     );
     assert_eq!(
-        metric(&text, "slipway_requests_total", Some("rejected_503")),
+        metric(&text, &counter_total(REQUESTS), Some(Outcome::Rejected503)),
         f64::from(shed)
     );
     promtool_check(&text);
@@ -345,11 +346,7 @@ async fn fifty_clients_dropping_mid_stream_leave_kv_usage_at_idle() {
     // 50 × (prompt + 200 tokens) ≈ 700 blocks: all admitted at once.
     let server = start_server(&["--max-num-seqs", "64"]);
     let c = client();
-    let idle = metric(
-        &metrics_text(&c, &server).await,
-        "slipway_kv_cache_usage_perc",
-        None,
-    );
+    let idle = metric(&metrics_text(&c, &server).await, KV_USAGE, None);
     let clients: Vec<_> = (0..50)
         .map(|i| {
             let (c, url) = (c.clone(), server.url("/v1/completions"));
@@ -374,9 +371,9 @@ async fn fifty_clients_dropping_mid_stream_leave_kv_usage_at_idle() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let text = metrics_text(&c, &server).await;
-        let kv = metric(&text, "slipway_kv_cache_usage_perc", None);
-        let running = metric(&text, "slipway_num_requests_running", None);
-        let cancelled = metric(&text, "slipway_requests_total", Some("cancelled"));
+        let kv = metric(&text, KV_USAGE, None);
+        let running = metric(&text, RUNNING, None);
+        let cancelled = metric(&text, &counter_total(REQUESTS), Some(Outcome::Cancelled));
         if kv == idle && running == 0.0 && cancelled == 50.0 {
             break;
         }

@@ -233,12 +233,7 @@ pub fn promql(releases: &[String], windows: &Windows, unit: DemandUnit) -> (Stri
     let per_window = match unit {
         DemandUnit::RequestsPerSecond => requests(""),
         DemandUnit::OutputTokensPerSecond => {
-            let rejected = Outcome::ALL
-                .into_iter()
-                .filter(|o| o.is_rejection())
-                .map(Outcome::as_str)
-                .collect::<Vec<_>>()
-                .join("|");
+            let rejected = Outcome::regex(Outcome::is_rejection);
             let tokens = format!(
                 "sum(increase({}{{{selector}}}[{w}]))",
                 counter_total(GENERATION_TOKENS)

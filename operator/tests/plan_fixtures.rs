@@ -15,6 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Deserialize;
 use serde_json::Value;
 use slipway_api::InferenceService;
+use slipway_api::testing::subset;
 use slipway_operator::observed::{Observed, ObservedNode};
 use slipway_operator::plan::{Child, Plan};
 use slipway_operator::{labels, plan};
@@ -156,26 +157,6 @@ fn load(path: &Path) -> Result<(Fixture, InferenceService, Observed), String> {
         }
     }
     Ok((fixture, isvc, observed))
-}
-
-/// `expected` is a subset of `actual`: objects by key, arrays element-wise (same length).
-fn subset(expected: &Value, actual: &Value, at: &str) -> Result<(), String> {
-    match (expected, actual) {
-        (Value::Object(e), Value::Object(a)) => e.iter().try_for_each(|(key, value)| {
-            subset(
-                value,
-                a.get(key).unwrap_or(&Value::Null),
-                &format!("{at}.{key}"),
-            )
-        }),
-        (Value::Array(e), Value::Array(a)) if e.len() == a.len() => e
-            .iter()
-            .zip(a)
-            .enumerate()
-            .try_for_each(|(i, (e, a))| subset(e, a, &format!("{at}[{i}]"))),
-        (e, a) if e == a => Ok(()),
-        (e, a) => Err(format!("{at}: expected {e}, got {a}")),
-    }
 }
 
 fn check(fixture: &Fixture, isvc: &InferenceService, plan: &Plan) -> Result<(), String> {

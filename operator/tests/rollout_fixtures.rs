@@ -42,6 +42,7 @@ use serde_json::Value;
 use slipway_api::InferenceService;
 use slipway_api::bundle::bundle_hash;
 use slipway_api::status::InferenceServiceStatus;
+use slipway_api::testing::{condition, subset};
 use slipway_operator::demand::{self, DemandReading, RateHistory};
 use slipway_operator::observed::{Observed, ObservedNode, ObservedPod, Phase};
 use slipway_operator::plan::{Child, ChildKind, Plan};
@@ -142,47 +143,6 @@ const ROLLOUT_EVENTS: [&str; 6] = [
     "RolloutReverted",
     "RolloutPaused",
 ];
-
-/// `expected` is a subset of `actual`.
-fn subset(expected: &Value, actual: &Value, at: &str) -> Result<(), String> {
-    match (expected, actual) {
-        (Value::Object(e), Value::Object(a)) => e.iter().try_for_each(|(key, value)| {
-            if key == "reasonContains" || key == "messageContains" {
-                let field = if key == "reasonContains" {
-                    "reason"
-                } else {
-                    "message"
-                };
-                let got = a.get(field).and_then(Value::as_str).unwrap_or_default();
-                let want = value.as_str().unwrap_or_default();
-                return if got.contains(want) {
-                    Ok(())
-                } else {
-                    Err(format!("{at}.{field}: {got:?} does not contain {want:?}"))
-                };
-            }
-            subset(
-                value,
-                a.get(key).unwrap_or(&Value::Null),
-                &format!("{at}.{key}"),
-            )
-        }),
-        (Value::String(e), a) if e == "none" => {
-            if a.is_null() {
-                Ok(())
-            } else {
-                Err(format!("{at}: expected none, got {a}"))
-            }
-        }
-        (e, a) if e == a => Ok(()),
-        (Value::Number(e), Value::Number(a))
-            if (e.as_f64().unwrap_or(f64::NAN) - a.as_f64().unwrap_or(f64::NAN)).abs() < 0.01 =>
-        {
-            Ok(())
-        }
-        (e, a) => Err(format!("{at}: expected {e}, got {a}")),
-    }
-}
 
 struct Sim {
     isvc: Value,
@@ -486,11 +446,7 @@ fn run(path: &Path) -> Result<(), String> {
         }
         for want in &expect.conditions {
             let ty = want["type"].as_str().unwrap_or_default();
-            let got = actual["conditions"]
-                .as_array()
-                .and_then(|cs| cs.iter().find(|c| c["type"] == ty))
-                .cloned()
-                .unwrap_or(Value::Null);
+            let got = condition(&actual, ty).cloned().unwrap_or(Value::Null);
             if let Err(e) = subset(want, &got, &format!("condition {ty}")) {
                 fail(e);
             }

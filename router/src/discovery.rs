@@ -22,8 +22,9 @@ use kube::{Api, Client};
 use slipway_api::InferenceService;
 use slipway_contract::RouterArgs;
 use slipway_contract::labels::{ENDPOINT_SLICE_SERVICE, release_service};
+use slipway_contract::metrics::SloTargets;
 
-use crate::endpoints::{Discovered, Live, Slo};
+use crate::endpoints::{Discovered, Live};
 use crate::proxy::App;
 use crate::split::{Canary, Split};
 
@@ -43,7 +44,7 @@ pub fn from_args(live: &Live, args: &RouterArgs) {
             stable: STATIC_STABLE.to_owned(),
             canary,
         },
-        Slo {
+        SloTargets {
             ttft: args.slo_ttft,
             tpot: args.slo_tpot,
         },
@@ -66,7 +67,7 @@ pub fn from_args(live: &Live, args: &RouterArgs) {
 /// The split and SLO an InferenceService's status and spec give; `None` until the
 /// operator has recorded a stable release.
 #[must_use]
-pub fn split_of(service: &InferenceService) -> Option<(Split, Slo)> {
+pub fn split_of(service: &InferenceService) -> Option<(Split, SloTargets)> {
     let status = service.status.as_ref()?;
     let stable = status.stable_release.clone()?;
     let canary = status.canary_release.as_ref().map(|c| Canary {
@@ -75,11 +76,8 @@ pub fn split_of(service: &InferenceService) -> Option<(Split, Slo)> {
     });
     let slo = &service.spec.slo;
     let parse = |s: &str| slipway_api::duration::parse(s).ok();
-    let defaults = Slo {
-        ttft: std::time::Duration::from_secs(2),
-        tpot: std::time::Duration::from_millis(150),
-    };
-    let slo = Slo {
+    let defaults = SloTargets::default();
+    let slo = SloTargets {
         ttft: parse(&slo.ttft.threshold).unwrap_or(defaults.ttft),
         tpot: parse(&slo.tpot.threshold).unwrap_or(defaults.tpot),
     };

@@ -14,19 +14,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use slipway_contract::LoadReport;
+use slipway_contract::metrics::SloTargets;
 
 use crate::choose::{self, Candidate, Exclusion, LoadView, Params, Ranking};
 use crate::prefix::PrefixIndex;
 use crate::split::Split;
-
-/// The SLO's latency targets, for the router's SLO-met counter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Slo {
-    /// Time to first token.
-    pub ttft: Duration,
-    /// Time per output token.
-    pub tpot: Duration,
-}
 
 /// An engine endpoint as discovery reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,7 +110,7 @@ impl Endpoint {
 #[derive(Debug)]
 struct View {
     split: Option<Split>,
-    slo: Slo,
+    slo: SloTargets,
     endpoints: BTreeMap<String, Endpoint>,
 }
 
@@ -160,7 +152,7 @@ const PREFIX_TTL: Duration = Duration::from_secs(120);
 impl Live {
     /// An empty view with these SLO targets.
     #[must_use]
-    pub fn new(slo: Slo) -> Self {
+    pub fn new(slo: SloTargets) -> Self {
         Self {
             view: Mutex::new(View {
                 split: None,
@@ -174,7 +166,7 @@ impl Live {
     }
 
     /// Where requests go now.
-    pub fn set_split(&self, split: Split, slo: Slo) {
+    pub fn set_split(&self, split: Split, slo: SloTargets) {
         let mut view = lock(&self.view);
         view.split = Some(split);
         view.slo = slo;
@@ -188,7 +180,7 @@ impl Live {
 
     /// The SLO targets.
     #[must_use]
-    pub fn slo(&self) -> Slo {
+    pub fn slo(&self) -> SloTargets {
         lock(&self.view).slo
     }
 
@@ -443,7 +435,7 @@ mod tests {
 
     #[test]
     fn a_choice_stays_within_its_release_and_skips_draining_endpoints() {
-        let live = Arc::new(Live::new(Slo {
+        let live = Arc::new(Live::new(SloTargets {
             ttft: Duration::from_secs(1),
             tpot: Duration::from_millis(100),
         }));
@@ -459,7 +451,7 @@ mod tests {
 
     #[test]
     fn requests_sent_after_a_report_count_until_they_finish() {
-        let live = Arc::new(Live::new(Slo {
+        let live = Arc::new(Live::new(SloTargets {
             ttft: Duration::from_secs(1),
             tpot: Duration::from_millis(100),
         }));
@@ -479,7 +471,7 @@ mod tests {
 
     #[test]
     fn requests_finished_since_a_report_no_longer_count_as_its_decode_load() {
-        let live = Arc::new(Live::new(Slo {
+        let live = Arc::new(Live::new(SloTargets {
             ttft: Duration::from_secs(1),
             tpot: Duration::from_millis(100),
         }));
@@ -510,7 +502,7 @@ mod tests {
 
     #[test]
     fn the_prefix_index_credits_the_endpoint_a_prompt_was_sent_to() {
-        let live = Arc::new(Live::new(Slo {
+        let live = Arc::new(Live::new(SloTargets {
             ttft: Duration::from_secs(1),
             tpot: Duration::from_millis(100),
         }));
@@ -532,7 +524,7 @@ mod tests {
 
     #[test]
     fn a_prefill_still_waiting_for_its_first_token_counts_until_it_comes() {
-        let live = Arc::new(Live::new(Slo {
+        let live = Arc::new(Live::new(SloTargets {
             ttft: Duration::from_secs(1),
             tpot: Duration::from_millis(100),
         }));

@@ -9,9 +9,10 @@ use anyhow::Context as _;
 use axum::http::HeaderName;
 use clap::Parser;
 use slipway_contract::RouterArgs;
+use slipway_contract::metrics::SloTargets;
 use slipway_router::choose::Params;
 use slipway_router::discovery;
-use slipway_router::endpoints::{Live, Slo};
+use slipway_router::endpoints::Live;
 use slipway_router::metrics::RouterMetrics;
 use slipway_router::proxy::App;
 use slipway_router::retry::RetryPolicy;
@@ -58,7 +59,7 @@ async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .tcp_nodelay(true)
         .build()
         .context("building the HTTP client")?;
-    let live = Arc::new(Live::new(Slo {
+    let live = Arc::new(Live::new(SloTargets {
         ttft: args.slo_ttft,
         tpot: args.slo_tpot,
     }));

@@ -19,12 +19,12 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use futures::{Stream, StreamExt as _};
 use serde_json::{Value, json};
-use slipway_contract::metrics::Outcome;
+use slipway_contract::metrics::{Outcome, SloTargets, time_per_output_token};
 use slipway_telemetry::{TRACE_TARGET, inject_trace, join_trace};
 use tracing::Instrument as _;
 
 use crate::choose::{Exclusion, Params};
-use crate::endpoints::{InFlight, Live, Slo};
+use crate::endpoints::{InFlight, Live};
 use crate::metrics::RouterMetrics;
 use crate::prefix;
 use crate::retry::{self, Failure, Next, RetryPolicy};
@@ -444,7 +444,7 @@ struct Measure {
     strip_usage: bool,
     predicted_overlap_chars: usize,
     prompt_chars: usize,
-    slo: Slo,
+    slo: SloTargets,
     status: StatusCode,
     first_token: Option<Instant>,
     content_events: u64,
@@ -562,12 +562,11 @@ impl Measure {
                 .first_token
                 .map_or(e2e, |t| t.duration_since(self.arrived));
             m.observe_ttft(rel, ttft.as_secs_f64());
-            let tpot = (tokens >= 2)
-                .then(|| (e2e.saturating_sub(ttft)).as_secs_f64() / (tokens - 1) as f64);
+            let tpot = time_per_output_token(ttft.as_secs_f64(), e2e.as_secs_f64(), tokens);
             if let Some(tpot) = tpot {
                 m.observe_tpot(rel, tpot);
             }
-            ttft <= self.slo.ttft && tpot.is_none_or(|t| t <= self.slo.tpot.as_secs_f64())
+            self.slo.met_seconds(Some(ttft.as_secs_f64()), tpot)
         } else {
             // Unstreamed, the first token reaches the client with the last: the answer
             // met the SLO if it came no later than both targets allow.

@@ -20,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::stream::{self, StreamExt};
 use serde_json::{Value, json};
+use slipway_contract::metrics::{MODEL_LABEL, RELEASE_LABEL, RUNNING, WAITING};
 
 /// What the fake server does.
 #[derive(Debug, Clone, Default)]
@@ -150,12 +151,12 @@ async fn handle(state: AppState, body: Value, chat: bool) -> Response {
 /// (none: the fake server queues nothing), as the engine names them.
 async fn metrics(State(s): State<AppState>) -> String {
     let running = s.running.load(Ordering::SeqCst) + s.b.phantom_running;
-    format!(
-        "# TYPE slipway_num_requests_running gauge\n\
-         slipway_num_requests_running{{model=\"fake\",release=\"test\"}} {running}\n\
-         # TYPE slipway_num_requests_waiting gauge\n\
-         slipway_num_requests_waiting{{model=\"fake\",release=\"test\"}} 0\n"
-    )
+    let gauge = |name: &str, value: usize| {
+        format!(
+            "# TYPE {name} gauge\n{name}{{{MODEL_LABEL}=\"fake\",{RELEASE_LABEL}=\"test\"}} {value}\n"
+        )
+    };
+    gauge(RUNNING, running) + &gauge(WAITING, 0)
 }
 
 /// Starts the fake server on 127.0.0.1 with an ephemeral port; returns its base URL.

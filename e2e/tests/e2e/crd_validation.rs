@@ -5,17 +5,16 @@
 
 use std::fmt::Write as _;
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, ensure};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 use kube::api::PostParams;
 use kube::runtime::wait::conditions::is_crd_established;
 use serde_json::{Value, json};
+use slipway_api::testing::{edit, invalid_cases, valid_inference_service};
 use slipway_e2e::{crd, manifests, wait};
 
-use crate::support::{
-    TestContext, dynamic, inference_services, rejection_message, valid_inference_service,
-};
+use crate::support::{TestContext, dynamic, inference_services, rejection_message};
 
 pub async fn crds_apply_server_side_and_become_established(
     context: TestContext,
@@ -46,285 +45,6 @@ pub async fn crds_apply_server_side_and_become_established(
     Ok(())
 }
 
-/// Where the expected message comes from, which decides how it is checked
-/// before the API server is asked.
-#[derive(Debug, Clone, Copy)]
-enum Expected {
-    /// A CEL rule's `message`: must appear verbatim in the checked-in CRD.
-    Cel(&'static str),
-    /// Text the API server writes for an OpenAPI bound or enum (not in the CRD).
-    Schema(&'static str),
-}
-
-impl Expected {
-    fn text(self) -> &'static str {
-        match self {
-            Self::Cel(text) | Self::Schema(text) => text,
-        }
-    }
-}
-
-/// One invalid object: the valid one with `edits` applied.
-struct InvalidCase {
-    rule: &'static str,
-    edits: Vec<(&'static str, Value)>,
-    expected: Expected,
-}
-
-fn case(rule: &'static str, edits: Vec<(&'static str, Value)>, expected: Expected) -> InvalidCase {
-    InvalidCase {
-        rule,
-        edits,
-        expected,
-    }
-}
-
-/// Every rule of the API, each broken once. `Value::Null` removes a field.
-fn invalid_cases() -> Vec<InvalidCase> {
-    use Expected::{Cel, Schema};
-    let steps = |weights: &[i64]| {
-        json!(
-            weights
-                .iter()
-                .map(|w| json!({ "weight": w }))
-                .collect::<Vec<_>>()
-        )
-    };
-    vec![
-        case(
-            "tensor >= 1",
-            vec![("/spec/parallelism/tensor", json!(0))],
-            Schema(
-                "spec.parallelism.tensor: Invalid value: 0: spec.parallelism.tensor in body should be greater than or equal to 1",
-            ),
-        ),
-        case(
-            "pipeline >= 1",
-            vec![("/spec/parallelism/pipeline", json!(0))],
-            Schema("spec.parallelism.pipeline in body should be greater than or equal to 1"),
-        ),
-        case(
-            "group at most 512 GPUs",
-            vec![
-                ("/spec/parallelism/tensor", json!(64)),
-                ("/spec/parallelism/pipeline", json!(16)),
-            ],
-            Cel("a group may span at most 512 GPUs (tensor × pipeline)"),
-        ),
-        case(
-            "multi-node group fills whole nodes",
-            vec![("/spec/parallelism/tensor", json!(12))],
-            Cel("a group larger than one node must fill whole nodes"),
-        ),
-        case(
-            "fLoss < 1",
-            vec![("/spec/capacity/faultDomain/fLoss", json!(1.0))],
-            Cel("fLoss must be at least 0 and less than 1"),
-        ),
-        case(
-            "fLoss >= 0",
-            vec![("/spec/capacity/faultDomain/fLoss", json!(-0.1))],
-            Cel("fLoss must be at least 0 and less than 1"),
-        ),
-        case(
-            "minReplicas <= maxReplicas",
-            vec![
-                ("/spec/capacity/minReplicas", json!(5)),
-                ("/spec/capacity/maxReplicas", json!(2)),
-            ],
-            Cel("minReplicas must not exceed maxReplicas"),
-        ),
-        case(
-            "demand.static positive",
-            vec![("/spec/capacity/demand/static", json!(0.0))],
-            Cel("demand.static must be positive"),
-        ),
-        case(
-            "demand needs a source",
-            vec![("/spec/capacity/demand", json!({}))],
-            Cel("capacity.demand needs static, measured, or both"),
-        ),
-        case(
-            "measured rateWindow within peakWindow",
-            vec![(
-                "/spec/capacity/demand",
-                json!({"measured": {"rateWindow": "10m", "peakWindow": "5m"}}),
-            )],
-            Cel("demand.measured.rateWindow must not be longer than peakWindow"),
-        ),
-        case(
-            "measured rateWindow at least 4s",
-            vec![(
-                "/spec/capacity/demand",
-                json!({"measured": {"rateWindow": "2s"}}),
-            )],
-            Cel("demand.measured.rateWindow must be at least 4s"),
-        ),
-        case(
-            "replicaGoodput positive",
-            vec![("/spec/capacity/replicaGoodput", json!(-1.0))],
-            Cel("replicaGoodput must be positive"),
-        ),
-        case(
-            "canary weights strictly increasing (decreasing)",
-            vec![("/spec/rollout/steps", steps(&[50, 10, 100]))],
-            Cel("canary step weights must be strictly increasing"),
-        ),
-        case(
-            "canary weights strictly increasing (repeated)",
-            vec![("/spec/rollout/steps", steps(&[50, 50, 100]))],
-            Cel("canary step weights must be strictly increasing"),
-        ),
-        case(
-            "canary weight at most 100",
-            vec![("/spec/rollout/steps", steps(&[10, 150]))],
-            Schema("spec.rollout.steps[1].weight in body should be less than or equal to 100"),
-        ),
-        case(
-            "canary weight above 0",
-            vec![("/spec/rollout/steps", steps(&[0, 100]))],
-            Schema("spec.rollout.steps[0].weight in body should be greater than or equal to 1"),
-        ),
-        case(
-            "TTFT threshold positive",
-            vec![("/spec/slo/ttft/threshold", json!("0s"))],
-            Cel("latency threshold must be a positive duration"),
-        ),
-        case(
-            "canary pause positive",
-            vec![("/spec/rollout/steps/0/pause", json!("0s"))],
-            Cel("pause must be a positive duration"),
-        ),
-        case(
-            "availability < 1",
-            vec![("/spec/slo/availability", json!(1.0))],
-            Cel("slo.availability must be between 0 and 1, exclusive"),
-        ),
-        case(
-            "availability > 0",
-            vec![("/spec/slo/availability", json!(0.0))],
-            Cel("slo.availability must be between 0 and 1, exclusive"),
-        ),
-        case(
-            "model sha256 is 64 hex characters",
-            vec![("/spec/release/model/sha256", json!("abc123"))],
-            Cel("sha256 must be 64 lowercase hex characters"),
-        ),
-        case(
-            "adapter sha256 is lowercase hex",
-            vec![("/spec/release/adapters/0/sha256", json!("A".repeat(64)))],
-            Cel("sha256 must be 64 lowercase hex characters"),
-        ),
-        case(
-            "kvNamespace is a DNS label",
-            vec![("/spec/release/kvNamespace", json!("Not_A_Label"))],
-            Cel("kvNamespace must be a DNS label"),
-        ),
-        case(
-            "servedModelName is one token clients can send",
-            vec![("/spec/servedModelName", json!("-starts with a dash"))],
-            Cel("servedModelName must start with a letter or digit"),
-        ),
-        case(
-            "adapter names unique",
-            vec![(
-                "/spec/release/adapters",
-                json!([
-                    { "name": "same", "uri": "file:///a.gguf" },
-                    { "name": "same", "uri": "file:///b.gguf" },
-                ]),
-            )],
-            Cel("adapter names must be unique"),
-        ),
-        case(
-            "adapters need the CPU backend",
-            vec![
-                (
-                    "/spec/release/adapters",
-                    json!([{ "name": "a", "uri": "file:///a.gguf" }]),
-                ),
-                ("/spec/release/engine/device", json!("CUDA")),
-            ],
-            Cel("adapters are served on device CPU only for now"),
-        ),
-        case(
-            "adapter name format",
-            vec![("/spec/release/adapters/0/name", json!("-bad-"))],
-            Cel("adapter name must be lowercase letters, digits, '-' or '.'"),
-        ),
-        case(
-            "shortWindow < longWindow",
-            vec![("/spec/rollout/analysis/shortWindow", json!("10m"))],
-            Cel("shortWindow must be shorter than longWindow"),
-        ),
-        case(
-            "RollbackAfter needs a timeout",
-            vec![("/spec/rollout/analysis/inconclusiveTimeout", Value::Null)],
-            Cel("inconclusivePolicy RollbackAfter needs inconclusiveTimeout"),
-        ),
-        case(
-            "Prometheus source needs a URL",
-            vec![("/spec/rollout/analysis/metrics/source", json!("Prometheus"))],
-            Cel("metrics.source Prometheus needs metrics.prometheus.url"),
-        ),
-        case(
-            "Prometheus URL is http(s)",
-            vec![
-                ("/spec/rollout/analysis/metrics/source", json!("Prometheus")),
-                (
-                    "/spec/rollout/analysis/metrics/prometheus",
-                    json!({ "url": "ftp://prometheus:9090" }),
-                ),
-            ],
-            Cel("prometheus.url must start with http:// or https://"),
-        ),
-        case(
-            "preStop delay shorter than the drain",
-            vec![("/spec/drain/preStopDelaySeconds", json!(600))],
-            Cel("preStopDelaySeconds must be less than maxDrainSeconds"),
-        ),
-        case(
-            "a Gateway named once per listener",
-            vec![(
-                "/spec/router",
-                json!({"httpRoute": {"parentRefs": [{"name": "public"}, {"name": "public"}]}}),
-            )],
-            Cel("parentRefs: each Gateway (and sectionName) may be named only once"),
-        ),
-        case(
-            "sectionName in every reference to a Gateway named twice",
-            vec![(
-                "/spec/router",
-                json!({"httpRoute": {"parentRefs": [
-                    {"name": "public", "namespace": "gw"},
-                    {"name": "public", "namespace": "gw", "sectionName": "https"},
-                ]}}),
-            )],
-            Cel(
-                "parentRefs: sectionName must be set in every reference to a Gateway named more than once",
-            ),
-        ),
-        case(
-            "Gateway namespace is a DNS label",
-            vec![(
-                "/spec/router",
-                json!({"httpRoute": {"parentRefs": [{"name": "public", "namespace": "Gate_ways"}]}}),
-            )],
-            Cel("parentRefs.namespace must be a namespace name (a DNS label)"),
-        ),
-        case(
-            "device is an enum",
-            vec![("/spec/release/engine/device", json!("TPU"))],
-            Schema("spec.release.engine.device: Unsupported value: \"TPU\""),
-        ),
-        case(
-            "release is required",
-            vec![("/spec/release", Value::Null)],
-            Schema("spec.release: Required value"),
-        ),
-    ]
-}
-
 /// Every `message` of every `x-kubernetes-validations` rule in a schema.
 fn collect_rule_messages(schema: &Value, messages: &mut Vec<String>) {
     match schema {
@@ -346,33 +66,6 @@ fn collect_rule_messages(schema: &Value, messages: &mut Vec<String>) {
     }
 }
 
-/// Set (or, with `Value::Null`, remove) the field at a JSON pointer.
-fn edit(object: &mut Value, pointer: &str, value: Value) -> anyhow::Result<()> {
-    let (parent, key) = pointer.rsplit_once('/').context("pointer without '/'")?;
-    let parent = object
-        .pointer_mut(parent)
-        .with_context(|| format!("{parent} does not exist in the valid object"))?;
-    match (parent, value) {
-        (Value::Object(map), Value::Null) => {
-            map.remove(key);
-        }
-        (Value::Object(map), value) => {
-            map.insert(key.to_owned(), value);
-        }
-        (Value::Array(items), value) => {
-            let index: usize = key
-                .parse()
-                .with_context(|| format!("{key} is not an index"))?;
-            let slot = items
-                .get_mut(index)
-                .with_context(|| format!("no item {index} at {pointer}"))?;
-            *slot = value;
-        }
-        _ => bail!("{pointer}: parent is neither an object nor an array"),
-    }
-    Ok(())
-}
-
 pub async fn invalid_objects_are_rejected_with_their_rule_message(
     context: TestContext,
 ) -> anyhow::Result<()> {
@@ -389,15 +82,11 @@ pub async fn invalid_objects_are_rejected_with_their_rule_message(
     }
     let stale: Vec<&str> = cases
         .iter()
-        .filter_map(|case| match case.expected {
-            Expected::Cel(expected)
-                if !crd_messages
-                    .iter()
-                    .any(|message| message.contains(expected)) =>
-            {
-                Some(expected)
-            }
-            _ => None,
+        .filter_map(|case| case.expected.cel_message())
+        .filter(|expected| {
+            !crd_messages
+                .iter()
+                .any(|message| message.contains(expected))
         })
         .collect();
     ensure!(
@@ -418,21 +107,18 @@ pub async fn invalid_objects_are_rejected_with_their_rule_message(
 
     let mut failures = String::new();
     for (index, case) in cases.iter().enumerate() {
-        let mut object = valid_inference_service(&format!("invalid-{index}"));
-        for (pointer, value) in &case.edits {
-            edit(&mut object, pointer, value.clone())
-                .with_context(|| format!("case {:?}", case.rule))?;
-        }
+        let object = case
+            .object(&format!("invalid-{index}"))
+            .with_context(|| format!("case {:?}", case.rule))?;
         let result = api.create(&post, &dynamic(object)?).await;
+        let expected = case.expected.api_server_text();
         match rejection_message(&result) {
-            Some(message)
-                if message.contains(case.expected.text()) && message.contains("(422)") => {}
+            Some(message) if message.contains(expected) && message.contains("(422)") => {}
             Some(message) => {
                 let _ = writeln!(
                     failures,
-                    "- {}: rejected, but the message lacks {:?}:\n    {message}",
+                    "- {}: rejected, but the message lacks {expected:?}:\n    {message}",
                     case.rule,
-                    case.expected.text()
                 );
             }
             None => {

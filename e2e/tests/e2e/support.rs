@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use kube::api::DynamicObject;
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
-use serde_json::{Value, json};
+use serde_json::Value;
 use slipway_e2e::{Cluster, TestNamespace, crd};
 
 /// Handed to each test: its name and the shared cluster.
@@ -41,61 +41,6 @@ pub fn inference_services(client: &Client, namespace: &str) -> Api<DynamicObject
         "inferenceservices",
     );
     Api::namespaced_with(client.clone(), namespace, &resource)
-}
-
-/// A valid InferenceService that sets every field a validation rule looks at
-/// (so each invalid variant differs from it in exactly one place).
-pub fn valid_inference_service(name: &str) -> Value {
-    json!({
-        "apiVersion": format!("{}/{}", crd::GROUP, crd::VERSION),
-        "kind": crd::KIND,
-        "metadata": { "name": name },
-        "spec": {
-            "release": {
-                "model": {
-                    "uri": "file:///models/smollm2-135m-instruct-q4_1.gguf",
-                    "sha256": "a".repeat(64),
-                },
-                "tokenizer": { "uri": "file:///models/tokenizer.json", "sha256": "b".repeat(64) },
-                "adapters": [
-                    { "name": "support-bot", "uri": "file:///adapters/support.gguf", "sha256": "c".repeat(64) },
-                ],
-                "kvNamespace": "smollm2-v1",
-                "engine": { "image": "ghcr.io/slipway-dev/engine:0.1.0", "device": "CPU", "maxOutputTokens": 512 },
-            },
-            "parallelism": { "tensor": 2, "pipeline": 1, "gpusPerNode": 8 },
-            "capacity": {
-                "demand": {"static": 40.0},
-                "replicaGoodput": 12.5,
-                "demandUnit": "RequestsPerSecond",
-                "faultDomain": { "topologyKey": "topology.kubernetes.io/zone", "fLoss": 0.34 },
-                "minReplicas": 2,
-                "maxReplicas": 12,
-            },
-            "slo": {
-                "ttft": { "threshold": "2s" },
-                "tpot": { "threshold": "150ms" },
-                "availability": 0.999,
-            },
-            "rollout": {
-                "steps": [
-                    { "weight": 10, "pause": "5m" },
-                    { "weight": 50, "pause": "10m" },
-                    { "weight": 100 },
-                ],
-                "analysis": {
-                    "interval": "30s",
-                    "shortWindow": "1m",
-                    "longWindow": "5m",
-                    "inconclusivePolicy": "RollbackAfter",
-                    "inconclusiveTimeout": "15m",
-                    "metrics": { "source": "Scrape" },
-                },
-                "maxSurge": 1,
-            },
-            "drain": { "preStopDelaySeconds": 10, "maxDrainSeconds": 600 },
-        },
-    })
 }
 
 /// Turn a JSON value into the DynamicObject the API takes.

@@ -21,12 +21,14 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, ResourceExt as _};
 use serde_json::{Value, json};
+use slipway_api::testing::condition;
+use slipway_contract::metrics::{RELEASE_LABEL, REQUESTS, counter_total, router};
 use slipway_e2e::real_nodes::{self, RealNode};
 
 use crate::support::{
     ENGINE_PORT, Env, FollowedLog, OperatorProcess, POD_READY, ROUTER_PORT, RealNs, Streamed,
-    apply, chat, condition, engine_endpoints, fault_injection_image, http, kubelet_lines, node_of,
-    pod_ip, pod_ready, real_namespace, real_sample, router_endpoints, stream_completion,
+    apply, chat, engine_endpoints, fault_injection_image, http, kubelet_lines, node_of, pod_ip,
+    pod_ready, real_namespace, real_sample, router_endpoints, stream_completion,
 };
 
 const ISVC: &str = "smollm2";
@@ -700,12 +702,11 @@ async fn requests_by_release(
             .await?
             .text()
             .await?;
-        for line in text
-            .lines()
-            .filter(|l| l.starts_with("slipway_requests_total{"))
-        {
+        let requests = format!("{}{{", counter_total(REQUESTS));
+        let release_label = format!("{RELEASE_LABEL}=\"");
+        for line in text.lines().filter(|l| l.starts_with(&requests)) {
             let release = line
-                .split("release=\"")
+                .split(&release_label)
                 .nth(1)
                 .and_then(|r| r.split('"').next())
                 .unwrap_or_default()
@@ -784,7 +785,8 @@ pub async fn the_router_sends_a_ten_percent_canary_ten_percent_of_requests(
                 .text()
                 .await?;
             let eligible = format!(
-                "slipway_router_endpoints{{release=\"{canary_release}\",state=\"eligible\"}} 1"
+                "{}{{{RELEASE_LABEL}=\"{canary_release}\",state=\"eligible\"}} 1",
+                router::ENDPOINTS
             );
             if text.lines().any(|l| l == eligible) {
                 seen += 1;

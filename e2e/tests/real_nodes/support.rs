@@ -219,13 +219,6 @@ pub async fn apply(ns: &RealNs, isvc: &Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
-    status["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
-}
-
 pub fn pod_ready(pod: &Pod) -> bool {
     pod.status
         .as_ref()

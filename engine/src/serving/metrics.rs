@@ -14,7 +14,7 @@
 //!   rejected_503 | cancelled | error; a request counts once, when it ends;
 //! - counter `slipway_requests_slo_met_total`: successful requests whose TTFT ≤
 //!   `--slo-ttft-ms` and TPOT ≤ `--slo-tpot-ms` (TPOT = (E2E − TTFT)/(N_out − 1); a
-//!   one-token output meets TPOT trivially) — see [`meets_slo`];
+//!   one-token output meets TPOT trivially) — see [`SloTargets::met`];
 //! - histograms (seconds) `slipway_time_to_first_token_seconds`,
 //!   `slipway_inter_token_latency_seconds`, `slipway_e2e_request_latency_seconds`,
 //!   `slipway_request_queue_time_seconds`;
@@ -43,7 +43,6 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
-use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -55,47 +54,13 @@ use slipway_contract::metrics as names;
 /// How a request ended, as counted in `slipway_requests_total{outcome}`: the
 /// contract's type, which the operator's analysis reads.
 pub use slipway_contract::metrics::Outcome;
+/// The SLO's latency targets the SLO-met counter applies: the contract's type, shared
+/// with the router and the load generator.
+pub use slipway_contract::metrics::SloTargets;
 use slipway_contract::metrics::{
     ADAPTER_LABEL, GENERATION_TOKENS, MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS,
     REQUESTS_SLO_MET,
 };
-
-/// Latency targets of the SLO (the CRD's `slo.ttft`/`slo.tpot` thresholds).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SloTargets {
-    /// Time to first token.
-    pub ttft: Duration,
-    /// Time per output token after the first.
-    pub tpot: Duration,
-}
-
-impl Default for SloTargets {
-    /// The CRD's defaults: TTFT 2 s, TPOT 150 ms.
-    fn default() -> Self {
-        Self {
-            ttft: Duration::from_secs(2),
-            tpot: Duration::from_millis(150),
-        }
-    }
-}
-
-/// Whether a successful request met both latency targets: TTFT ≤ target and TPOT =
-/// (E2E − TTFT)/(N_out − 1) ≤ target; a one-token output meets TPOT trivially, and a
-/// request without a first token has no TTFT and so does not meet it.
-#[must_use]
-pub fn meets_slo(ttft: Option<Duration>, e2e: Duration, n_out: usize, slo: &SloTargets) -> bool {
-    let Some(ttft) = ttft else {
-        return false;
-    };
-    if ttft > slo.ttft {
-        return false;
-    }
-    if n_out < 2 {
-        return true;
-    }
-    let tpot = e2e.saturating_sub(ttft).as_secs_f64() / (n_out - 1) as f64;
-    tpot <= slo.tpot.as_secs_f64()
-}
 
 /// Labels of a per-request series: `outcome` where the family has it, then
 /// `adapter` for an adapter's series (none for the base model's).
@@ -389,27 +354,6 @@ pub fn openmetrics_to_prometheus_text(om: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ms(v: u64) -> Duration {
-        Duration::from_millis(v)
-    }
-
-    #[test]
-    fn slo_needs_ttft_and_tpot_within_target() {
-        let slo = SloTargets {
-            ttft: ms(100),
-            tpot: ms(10),
-        };
-        // 11 tokens, 100 ms after the first: TPOT 10 ms.
-        assert!(meets_slo(Some(ms(100)), ms(200), 11, &slo));
-        assert!(!meets_slo(Some(ms(101)), ms(200), 11, &slo));
-        assert!(!meets_slo(Some(ms(100)), ms(201), 11, &slo));
-        // One token: TPOT is met trivially, TTFT still counts.
-        assert!(meets_slo(Some(ms(50)), ms(5000), 1, &slo));
-        assert!(!meets_slo(Some(ms(150)), ms(150), 1, &slo));
-        // No first token: no TTFT, not met.
-        assert!(!meets_slo(None, ms(1), 0, &slo));
-    }
 
     #[test]
     fn exposition_has_the_contract_names_and_labels() {

@@ -387,7 +387,7 @@ pub fn promql(release: &str, window: Duration) -> (String, String) {
         format!(
             "sum(increase({}{{{RELEASE_LABEL}=\"{release}\",{OUTCOME_LABEL}=~\"{}\"}}[{w}]))",
             counter_total(REQUESTS),
-            eligible_outcomes().collect::<Vec<_>>().join("|")
+            Outcome::regex(Outcome::is_slo_eligible)
         ),
     )
 }

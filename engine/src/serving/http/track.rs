@@ -12,7 +12,7 @@ use std::time::Instant;
 use slipway_telemetry::TRACE_TARGET;
 
 use crate::serving::admission::Permit;
-use crate::serving::metrics::{Outcome, ServingMetrics, SloTargets, meets_slo};
+use crate::serving::metrics::{Outcome, ServingMetrics, SloTargets};
 use crate::serving::scheduler::FinishReason;
 
 /// The outcome a finish reason counts as.
@@ -134,7 +134,7 @@ impl Tracker {
             let e2e = Instant::now().duration_since(self.arrived);
             self.metrics.of(self.adapter).e2e.observe(e2e.as_secs_f64());
             let ttft = self.first.map(|f| f.duration_since(self.arrived));
-            let met = meets_slo(ttft, e2e, self.tokens, &self.slo);
+            let met = self.slo.met(ttft, e2e, self.tokens as u64);
             if met {
                 self.metrics.slo_met(self.adapter);
             }

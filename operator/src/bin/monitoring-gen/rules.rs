@@ -24,7 +24,7 @@ use std::time::Duration;
 use serde::Serialize;
 use slipway_api::slo::{BURN_RATE_TIERS, BurnRateTier, DEFAULT_AVAILABILITY};
 use slipway_contract::metrics::{
-    MODEL_LABEL, OUTCOME_LABEL, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET, counter_total,
+    MODEL_LABEL, OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, REQUESTS_SLO_MET, counter_total,
 };
 use slipway_operator::metrics::SLO_OBJECTIVE;
 use slipway_operator::rollout::source::eligible_outcomes;
@@ -130,7 +130,7 @@ pub fn alert_name(tier: &BurnRateTier) -> String {
 /// writes it.
 #[must_use]
 pub fn eligible_regex() -> String {
-    eligible_outcomes().collect::<Vec<_>>().join("|")
+    Outcome::regex(Outcome::is_slo_eligible)
 }
 
 /// The recording rules and alerts.
