@@ -4,6 +4,12 @@
 //! Order (as llama.cpp's default chain): penalties on the raw logits, then top-k,
 //! temperature, softmax, top-p, and a draw. Temperature 0 is greedy (argmax, lowest
 //! id on ties) and consumes no randomness.
+//!
+//! The rule is a plain function of the logits and one uniform draw
+//! ([`sample_token`]); the draw comes from the request's own seeded RNG
+//! ([`Sampler::draw`]). That split is what lets the model runner sample on its
+//! worker thread (or on the GPU) from a [`SeqSampling`] of plain data, while the RNG
+//! stays with the request (see [`SeqSampling`] for why).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -42,6 +48,20 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Whether this is greedy decoding (argmax, no randomness).
+    #[must_use]
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Whether a penalty reads the tokens so far.
+    #[must_use]
+    pub fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+    }
+
     /// Checks the ranges.
     ///
     /// # Errors
@@ -112,7 +132,65 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// A sampler with its own RNG stream.
+/// Picks the next token from `logits` given the tokens so far (`history`, read by
+/// the penalties) and `uniform`, a draw in `[0, 1)` (unused when greedy).
+#[must_use]
+pub fn sample_token(p: &SamplingParams, logits: &[f32], history: &[u32], uniform: f64) -> u32 {
+    let mut l = logits.to_vec();
+    if p.penalizes() {
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in history {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (&t, &n) in &counts {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v = if *v > 0.0 {
+                    *v / p.repetition_penalty
+                } else {
+                    *v * p.repetition_penalty
+                };
+                *v -= n as f32 * p.frequency_penalty + p.presence_penalty;
+            }
+        }
+    }
+    if p.is_greedy() {
+        return argmax(&l) as u32;
+    }
+    let mut cand: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k);
+    }
+    let max = cand[0].1;
+    let mut probs: Vec<f64> = cand
+        .iter()
+        .map(|&(_, v)| f64::from((v - max) / p.temperature).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        for (i, q) in probs.iter().enumerate() {
+            acc += q / total;
+            if acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    probs.truncate(keep);
+    let total: f64 = probs.iter().sum();
+    let mut r = uniform * total;
+    for (i, q) in probs.iter().enumerate() {
+        if r < *q {
+            return cand[i].0;
+        }
+        r -= q;
+    }
+    cand[keep - 1].0
+}
+
+/// A request's sampling settings with its own seeded RNG stream.
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
@@ -127,64 +205,92 @@ impl Sampler {
         Self { params, rng }
     }
 
+    /// The settings.
+    #[must_use]
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The draw for the next token: one uniform in `[0, 1)` from the stream, or
+    /// `None` when greedy (which consumes no randomness).
+    pub fn draw(&mut self) -> Option<f64> {
+        (!self.params.is_greedy()).then(|| self.rng.random::<f64>())
+    }
+
     /// Picks the next token from `logits` given the tokens so far (`history`, used
     /// by the penalties).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let p = &self.params;
-        let mut l = logits.to_vec();
-        let penalize =
-            p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
-        if penalize {
-            let mut counts = std::collections::HashMap::<u32, u32>::new();
-            for &t in history {
-                *counts.entry(t).or_default() += 1;
-            }
-            for (&t, &n) in &counts {
-                if let Some(v) = l.get_mut(t as usize) {
-                    *v = if *v > 0.0 {
-                        *v / p.repetition_penalty
-                    } else {
-                        *v * p.repetition_penalty
-                    };
-                    *v -= n as f32 * p.frequency_penalty + p.presence_penalty;
-                }
-            }
+        let uniform = self.draw().unwrap_or(0.0);
+        sample_token(&self.params, logits, history, uniform)
+    }
+}
+
+/// How one sequence picks its next token in a step: plain data the actor hands the
+/// model runner with the batch (vLLM's per-request sampling metadata).
+///
+/// The request's sampler state travels in here as data, not as a handle: the actor
+/// draws this token's uniform from the request's seeded RNG ([`Sampler::draw`]) and
+/// sends the draw, so the runner keeps no per-request state, nothing has to be
+/// created or freed on the runner when requests come and go (or are preempted), and
+/// data flows one way: the step's description down, the sampled tokens back. The
+/// draws are those the actor's own sampling took before, in the same order (one per
+/// sampled token, none when greedy), so seeded requests choose the same tokens. It
+/// is also the interface of the GPU sampling kernel, which takes one uniform per row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqSampling {
+    /// The request's settings.
+    pub params: SamplingParams,
+    /// This token's draw, in `[0, 1)`; `None` when greedy.
+    pub uniform: Option<f64>,
+    /// The tokens so far (prompt, then output) when a penalty reads them
+    /// ([`SamplingParams::penalizes`]); empty otherwise, so the common case copies
+    /// nothing per step.
+    pub history: Vec<u32>,
+    /// Tokens that end the request: the runner checks the sampled token against them.
+    pub stop_tokens: Vec<u32>,
+    /// Whether to return the sampled token's log-probability.
+    pub logprob: bool,
+}
+
+/// The token a sequence sampled in a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampledToken {
+    /// The token.
+    pub token: u32,
+    /// Whether it is one of the sequence's stop tokens (the request ends with it).
+    pub stop: bool,
+    /// Its log-probability under the model's distribution (the softmax of the raw
+    /// logits, before penalties and temperature), when asked for.
+    pub logprob: Option<f32>,
+}
+
+impl SeqSampling {
+    /// The choice from a whole logits row, on the host.
+    #[must_use]
+    pub fn sample_row(&self, row: &[f32]) -> SampledToken {
+        let token = sample_token(
+            &self.params,
+            row,
+            &self.history,
+            self.uniform.unwrap_or(0.0),
+        );
+        let logprob = self.logprob.then(|| {
+            crate::kernels::ops::log_softmax(row)
+                .get(token as usize)
+                .copied()
+                .unwrap_or(f32::NEG_INFINITY)
+        });
+        self.sampled(token, logprob)
+    }
+
+    /// `token`, chosen elsewhere (on a device), with its stop check.
+    #[must_use]
+    pub fn sampled(&self, token: u32, logprob: Option<f32>) -> SampledToken {
+        SampledToken {
+            token,
+            stop: self.stop_tokens.contains(&token),
+            logprob,
         }
-        if p.temperature == 0.0 {
-            return argmax(&l) as u32;
-        }
-        let mut cand: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand
-            .iter()
-            .map(|&(_, v)| f64::from((v - max) / p.temperature).exp())
-            .collect();
-        let total: f64 = probs.iter().sum();
-        let mut keep = probs.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, q) in probs.iter().enumerate() {
-                acc += q / total;
-                if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        probs.truncate(keep);
-        let total: f64 = probs.iter().sum();
-        let mut r = self.rng.random::<f64>() * total;
-        for (i, q) in probs.iter().enumerate() {
-            if r < *q {
-                return cand[i].0;
-            }
-            r -= q;
-        }
-        cand[keep - 1].0
     }
 }
 
@@ -278,6 +384,32 @@ mod tests {
             ..params(0.0)
         });
         assert_eq!(pres.sample(&logits, &[0, 0, 0]), 1);
+    }
+
+    #[test]
+    fn a_sampler_is_its_draws_fed_to_the_rule() {
+        // The split the runner relies on: drawing here and sampling elsewhere gives
+        // the tokens sampling here gave.
+        let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let p = SamplingParams {
+            top_p: 0.8,
+            repetition_penalty: 1.1,
+            ..params(0.9)
+        };
+        let (mut whole, mut draws) = (Sampler::new(p.clone()), Sampler::new(p.clone()));
+        let history = [3, 4, 4];
+        for _ in 0..64 {
+            let u = draws.draw().expect("not greedy");
+            assert_eq!(
+                whole.sample(&logits, &history),
+                sample_token(&p, &logits, &history, u)
+            );
+        }
+        assert_eq!(
+            Sampler::new(params(0.0)).draw(),
+            None,
+            "greedy draws nothing"
+        );
     }
 
     #[test]

@@ -581,7 +581,7 @@ fn sampling_follows_top_k_top_p<D: Device>(d: &D) {
         ),
     ] {
         let mut out = d.zeros::<u32>(n).unwrap();
-        d.sample_top_k_top_p(&lb, &mut scratch, n, vocab, p, &ub, &mut out)
+        d.sample_top_k_top_p(&lb, &mut scratch, 0..n, vocab, p, &ub, &mut out)
             .unwrap();
         let got = d.read(&out, n).unwrap();
         // Expected shares: softmax over the top_k at the temperature, cut at top_p.
@@ -646,7 +646,7 @@ fn sampling_follows_top_k_top_p<D: Device>(d: &D) {
         },
     ] {
         assert!(
-            d.sample_top_k_top_p(&lb, &mut scratch, n, vocab, bad, &ub, &mut out)
+            d.sample_top_k_top_p(&lb, &mut scratch, 0..n, vocab, bad, &ub, &mut out)
                 .is_err(),
             "{bad:?} accepted"
         );

@@ -1,5 +1,8 @@
 //! Greedy and seeded sampling through the engine actor give the tokens recorded in
-//! `fixtures/sampled_tokens.txt`, on the real SmolLM2-135M-Instruct Q4_1 (CPU backend).
+//! `fixtures/sampled_tokens.txt`, on the real SmolLM2-135M-Instruct Q4_1 (CPU backend);
+//! and the device runner, which samples where its logits are, chooses what the host
+//! sampler chooses from its full logits (`*::cpu` on the CPU twins in `make test`,
+//! `*::cuda` with feature `cuda` on a GPU).
 //!
 //! The fixture was recorded before sampling moved from the actor into the model
 //! runner (when the actor sampled each step's logits itself), so this test holds the
@@ -13,11 +16,14 @@
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use slipway_engine::backend::ModelRunner;
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
+use slipway_engine::backend::device::runner::{DeviceConfig, DeviceRunner};
+use slipway_engine::backend::device::{CpuDevice, Device};
+use slipway_engine::backend::{Batch, LogitsWanted, ModelRunner, SeqChunk};
+use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaWeights;
-use slipway_engine::sampling::SamplingParams;
+use slipway_engine::sampling::{Sampler, SamplingParams, SeqSampling};
 use slipway_engine::serving::block_manager::{BlockManagerConfig, CacheKey};
 use slipway_engine::serving::engine::{EngineConfig, Event, GenerateRequest, spawn};
 use slipway_engine::serving::scheduler::SchedulerConfig;
@@ -157,7 +163,11 @@ async fn greedy_and_seeded_sampling_give_the_recorded_tokens() {
     for (g, w) in got.lines().zip(want.lines()) {
         assert_eq!(g, w, "sampled tokens differ from the recorded ones");
     }
-    assert_eq!(got.lines().count(), want.lines().count(), "requests recorded");
+    assert_eq!(
+        got.lines().count(),
+        want.lines().count(),
+        "requests recorded"
+    );
     // Each sampling mode chose differently from greedy somewhere, so the fixture
     // really holds seeded draws (a sampler that ignored its settings would fail).
     let tokens_of = |label: &str| {
@@ -173,3 +183,123 @@ async fn greedy_and_seeded_sampling_give_the_recorded_tokens() {
         }
     }
 }
+
+/// Decode steps after the prefill in the device check.
+const DEVICE_STEPS: usize = 6;
+
+/// Step by step, the device runner's `execute` chooses the tokens (and log-probability)
+/// that the host sampler chooses from the same runner's full logits with the same
+/// draws: greedy by the device argmax, top-k/top-p by the sampling kernel (two
+/// neighbouring rows with the same settings share a launch), and on the host what the
+/// kernels do not cover (top-k of 0, penalties, a log-probability).
+fn device_execute_samples_as_the_host_does<D: Device>(dev: D) {
+    let path = model_path();
+    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let tokenizer = Tokenizer::from_metadata(file.metadata()).expect("tokenizer");
+    let mut runner = DeviceRunner::new(
+        dev,
+        &file,
+        DeviceConfig {
+            num_blocks: Some(64),
+            ..DeviceConfig::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("device runner: {e}"));
+    let bs = runner.kv_geometry().block_size;
+    let mut seqs: Vec<(SamplingParams, bool)> =
+        modes().into_iter().map(|(_, p)| (p, false)).collect();
+    // A second top-k/top-p sequence right after the first, and greedy with its
+    // log-probability.
+    seqs.insert(
+        3,
+        (
+            SamplingParams {
+                seed: 12,
+                ..seqs[2].0.clone()
+            },
+            false,
+        ),
+    );
+    seqs.push((SamplingParams::default(), true));
+    let eos = tokenizer.eog_tokens().to_vec();
+    let mut alloc = BlockAllocator::new(64);
+    let mut samplers: Vec<Sampler> = seqs.iter().map(|(p, _)| Sampler::new(p.clone())).collect();
+    let mut histories: Vec<Vec<u32>> = Vec::new();
+    let mut tables: Vec<Vec<u32>> = Vec::new();
+    for (i, _) in seqs.iter().enumerate() {
+        let prompt = tokenizer.encode(PROMPTS[i % PROMPTS.len()]);
+        let mut table = Vec::new();
+        alloc
+            .ensure(&mut table, prompt.len() + DEVICE_STEPS + 1, bs)
+            .expect("blocks");
+        histories.push(prompt);
+        tables.push(table);
+    }
+    let mut fed: Vec<usize> = vec![0; seqs.len()];
+    for step in 0..=DEVICE_STEPS {
+        let batch = Batch {
+            seqs: (0..seqs.len())
+                .map(|i| SeqChunk {
+                    tokens: histories[i][fed[i]..].to_vec(),
+                    start_pos: fed[i],
+                    block_table: tables[i].clone(),
+                    logits: LogitsWanted::Last,
+                    adapter: None,
+                })
+                .collect(),
+        };
+        let sampling: Vec<Option<SeqSampling>> = seqs
+            .iter()
+            .zip(&mut samplers)
+            .zip(&histories)
+            .map(|(((params, logprob), sampler), history)| {
+                Some(SeqSampling {
+                    params: params.clone(),
+                    uniform: sampler.draw(),
+                    history: history.clone(),
+                    stop_tokens: eos.clone(),
+                    logprob: *logprob,
+                })
+            })
+            .collect();
+        let logits = runner.forward(&batch).expect("forward");
+        // The same step again, sampling on the runner: it rewrites the same KV.
+        let got = runner.execute(&batch, &sampling).expect("execute").sampled;
+        assert_eq!(got.len(), seqs.len());
+        for (i, (got, smp)) in got.iter().zip(&sampling).enumerate() {
+            let smp = smp.as_ref().expect("every sequence samples");
+            let want = smp.sample_row(logits.last_of(i).expect("last row"));
+            assert_eq!(
+                got.as_ref(),
+                Some(&want),
+                "step {step}, sequence {i}: {smp:?}"
+            );
+            assert_eq!(want.logprob.is_some(), smp.logprob);
+        }
+        for (i, got) in got.iter().enumerate() {
+            fed[i] = histories[i].len();
+            histories[i].push(got.as_ref().expect("sampled").token);
+        }
+    }
+}
+
+macro_rules! test_device {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$name(super::CpuDevice);
+            }
+
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda() {
+                let dev = slipway_engine::backend::cuda::gpu::CudaDevice::open(0)
+                    .unwrap_or_else(|e| panic!("the CUDA sampling test needs a GPU: {e}"));
+                super::$name(dev);
+            }
+        }
+    };
+}
+
+test_device!(device_execute_samples_as_the_host_does);

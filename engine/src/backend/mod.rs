@@ -13,6 +13,13 @@
 //! - a chunk's `adapter`, when set, indexes the runner's [`ModelRunner::adapters`];
 //!   its rows get that LoRA adapter's low-rank products on top of the base ones.
 //!
+//! Serving calls [`ModelRunner::execute`] instead, as vLLM v1's model runner does: the
+//! step and how each sequence samples go down, and only the sampled tokens come back
+//! ([`ModelOutput`]), chosen on the runner's worker thread beside the forward pass (on
+//! the GPU, by the sampling kernels, where they apply). [`ModelRunner::forward`]
+//! stays for whoever needs the logits themselves (scoring, benchmarks, the oracle
+//! tests).
+//!
 //! LoRA in a batch follows Punica's SGMV (segmented gather matrix-vector products,
 //! Chen et al. 2023, the kernels vLLM's LoRA runs on): the base product runs once over
 //! every row of the step, then [`Batch::adapter_segments`] cuts the rows into
@@ -39,6 +46,7 @@ use std::sync::Arc;
 use crate::model::gguf::GgufFile;
 use crate::model::llama::{LlamaConfig, LlamaWeights};
 use crate::model::lora::LoraAdapter;
+use crate::sampling::{SampledToken, SeqSampling};
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,6 +153,59 @@ impl Logits {
     pub fn last_of(&self, seq: usize) -> Option<&[f32]> {
         let span = self.spans.get(seq)?;
         (!span.is_empty()).then(|| self.row(span.end - 1))
+    }
+}
+
+/// What a step sampled, as vLLM v1's `ModelRunnerOutput`: per batch sequence, in
+/// batch order, its token (`None` where the chunk sampled nothing).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelOutput {
+    /// One entry per [`Batch::seqs`].
+    pub sampled: Vec<Option<SampledToken>>,
+}
+
+/// Checks a step's sampling against its batch: one entry per sequence, and a
+/// sequence that samples asks for its last logits row (so a runner has it); a draw
+/// exactly when the sampling is not greedy.
+///
+/// # Errors
+/// [`BackendError::InvalidBatch`] naming the first offending sequence.
+pub fn validate_sampling(
+    batch: &Batch,
+    sampling: &[Option<SeqSampling>],
+) -> Result<(), BackendError> {
+    if sampling.len() != batch.seqs.len() {
+        return Err(BackendError::InvalidBatch(format!(
+            "{} sampling entries for {} sequences",
+            sampling.len(),
+            batch.seqs.len()
+        )));
+    }
+    for (i, (s, chunk)) in sampling.iter().zip(&batch.seqs).enumerate() {
+        let Some(s) = s else { continue };
+        if chunk.logits == LogitsWanted::None {
+            return Err(BackendError::InvalidBatch(format!(
+                "sequence {i}: samples but asks for no logits"
+            )));
+        }
+        if s.uniform.is_some() == s.params.is_greedy() {
+            return Err(BackendError::InvalidBatch(format!(
+                "sequence {i}: a draw is needed exactly when sampling is not greedy"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Samples a step's logits on the host: each sampling sequence from its last row.
+#[must_use]
+pub fn sample_on_host(logits: &Logits, sampling: &[Option<SeqSampling>]) -> ModelOutput {
+    ModelOutput {
+        sampled: sampling
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Some(s.as_ref()?.sample_row(logits.last_of(i)?)))
+            .collect(),
     }
 }
 
@@ -338,12 +399,35 @@ pub trait ModelRunner {
     fn adapters(&self) -> &[Arc<LoraAdapter>] {
         &[]
     }
-    /// Runs one step; see the module docs for the contract.
+    /// Runs one step and returns the logits asked for; see the module docs for the
+    /// contract.
     ///
     /// # Errors
     /// [`BackendError::InvalidBatch`] when the batch breaks the contract; nothing is
     /// written to the KV store in that case.
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError>;
+
+    /// Runs one step and samples: `sampling[i]` says how sequence `i` picks its next
+    /// token from its last logits row (`None`: it samples nothing this step). Called
+    /// on the worker thread that runs the step, so sampling and the stop-token checks
+    /// happen there, beside the forward pass.
+    ///
+    /// This default samples the logits of [`ModelRunner::forward`] on the host; a
+    /// runner that can sample where its logits are (the device runner) overrides it,
+    /// so only the tokens come back.
+    ///
+    /// # Errors
+    /// As [`ModelRunner::forward`], and [`BackendError::InvalidBatch`] when
+    /// `sampling` does not fit the batch ([`validate_sampling`]).
+    fn execute(
+        &mut self,
+        batch: &Batch,
+        sampling: &[Option<SeqSampling>],
+    ) -> Result<ModelOutput, BackendError> {
+        validate_sampling(batch, sampling)?;
+        let logits = self.forward(batch)?;
+        Ok(sample_on_host(&logits, sampling))
+    }
 }
 
 #[cfg(test)]
@@ -378,6 +462,64 @@ mod tests {
             [seg(0, 0..5), seg(1, 9..10), seg(0, 10..16)]
         );
         assert!(Batch::default().adapter_segments().is_empty());
+    }
+
+    fn seeded(uniform: Option<f64>, temperature: f32) -> SeqSampling {
+        SeqSampling {
+            params: crate::sampling::SamplingParams {
+                temperature,
+                ..Default::default()
+            },
+            uniform,
+            history: Vec::new(),
+            stop_tokens: vec![2],
+            logprob: false,
+        }
+    }
+
+    #[test]
+    fn sampling_must_fit_the_batch() {
+        let mut batch = Batch {
+            seqs: vec![chunk(2, None), chunk(1, None)],
+        };
+        let greedy = || Some(seeded(None, 0.0));
+        assert!(validate_sampling(&batch, &[greedy(), None]).is_ok());
+        assert!(validate_sampling(&batch, &[greedy(), Some(seeded(Some(0.5), 1.0))]).is_ok());
+        // One entry per sequence.
+        assert!(validate_sampling(&batch, &[greedy()]).is_err());
+        // A draw exactly when not greedy.
+        assert!(validate_sampling(&batch, &[Some(seeded(Some(0.5), 0.0)), None]).is_err());
+        assert!(validate_sampling(&batch, &[Some(seeded(None, 1.0)), None]).is_err());
+        // A sampling sequence asks for its logits.
+        batch.seqs[0].logits = LogitsWanted::None;
+        let err = validate_sampling(&batch, &[greedy(), None]).expect_err("no logits");
+        assert!(err.to_string().contains("sequence 0"), "{err}");
+    }
+
+    #[test]
+    fn host_sampling_takes_each_sequences_last_row_and_checks_stop_tokens() {
+        // Sequence 0 has two rows (its last one picks 2, a stop token); sequence 1
+        // samples nothing; sequence 2 picks 1 and wants its log-probability.
+        let logits = Logits {
+            vocab: 3,
+            data: vec![9.0, 0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0],
+            spans: vec![0..2, 2..3, 3..4],
+        };
+        let mut lp = seeded(None, 0.0);
+        lp.logprob = true;
+        let out = sample_on_host(&logits, &[Some(seeded(None, 0.0)), None, Some(lp)]);
+        let [a, b, c] = out.sampled.as_slice() else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            a.map(|t| (t.token, t.stop, t.logprob)),
+            Some((2, true, None))
+        );
+        assert_eq!(*b, None);
+        let c = c.expect("sampled");
+        assert_eq!((c.token, c.stop), (1, false));
+        let want = 1.0 - (2.0 * 1f32.exp() + 1.0).ln();
+        assert!((c.logprob.expect("asked") - want).abs() < 1e-6, "{c:?}");
     }
 
     #[test]

@@ -5,8 +5,12 @@
 //!
 //! Ordering of one loop turn: take every pending command (submits, cancels), drop
 //! requests whose receiver is gone (a disconnected client frees its KV here, before
-//! the next step), schedule, run the forward step on a blocking thread (so the
-//! runtime keeps serving HTTP meanwhile), sample, update, send events.
+//! the next step), schedule, execute the step on a blocking thread (the runner's
+//! forward pass, sampling and stop-token checks, so the runtime keeps serving HTTP
+//! meanwhile), update the scheduler with the sampled tokens, send events. The actor
+//! hands the runner plain data (the batch and each sequence's [`SeqSampling`], with
+//! this token's draw from the request's seeded RNG) and gets plain data back
+//! ([`ModelOutput`]); it never sees logits.
 //!
 //! Shutdown: when every handle is dropped the command channel closes and the actor
 //! ends every request with [`RequestError::Shutdown`] and returns the runner. A send to a
@@ -35,11 +39,11 @@ use super::block_manager::CacheKey;
 use super::metrics::ServingMetrics;
 use super::request_trace::RequestTrace;
 use super::scheduler::{
-    AddError, FinishReason, ModelOutput, RequestId, SchedRequest, Scheduler, SchedulerConfig,
+    AddError, FinishReason, RequestId, SchedRequest, Scheduler, SchedulerConfig,
     SchedulerConfigError,
 };
-use crate::backend::ModelRunner;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::backend::{ModelOutput, ModelRunner};
+use crate::sampling::{Sampler, SamplingParams, SeqSampling};
 
 /// A model runner the actor can move to a blocking thread.
 pub type BoxedRunner = Box<dyn ModelRunner + Send>;
@@ -270,8 +274,13 @@ impl EngineHandle {
 struct Active {
     events: mpsc::UnboundedSender<Event>,
     adapter: Option<u16>,
+    /// The request's settings and seeded RNG: each step that samples for it takes one
+    /// draw here and sends it down with the batch.
     sampler: Sampler,
+    /// Prompt and output so far, for the penalties (sent only when one is on).
     history: Vec<u32>,
+    /// Tokens that end the request (the runner checks each sampled token).
+    eos: Vec<u32>,
     prompt_tokens: usize,
     generated: usize,
     submitted: Instant,
@@ -390,7 +399,6 @@ fn handle(cmd: Command, a: &mut Actor) {
                         id,
                         prompt: req.prompt.clone(),
                         max_tokens: req.max_tokens,
-                        eos: req.eos,
                         cache_key,
                         adapter: req.adapter,
                     })
@@ -408,6 +416,7 @@ fn handle(cmd: Command, a: &mut Actor) {
                         events,
                         adapter: req.adapter,
                         sampler: Sampler::new(req.sampling),
+                        eos: req.eos,
                         prompt_tokens: req.prompt.len(),
                         history: req.prompt,
                         generated: 0,
@@ -529,16 +538,35 @@ async fn run(
             }
         }
         let batch = out.batch();
+        let sampling: Vec<Option<SeqSampling>> = out
+            .seqs
+            .iter()
+            .map(|seq| {
+                let r = a.active.get_mut(&seq.id).filter(|_| seq.samples)?;
+                let params = r.sampler.params().clone();
+                Some(SeqSampling {
+                    uniform: r.sampler.draw(),
+                    history: if params.penalizes() {
+                        r.history.clone()
+                    } else {
+                        Vec::new()
+                    },
+                    params,
+                    stop_tokens: r.eos.clone(),
+                    logprob: false,
+                })
+            })
+            .collect();
         let joined = tokio::task::spawn_blocking(move || {
-            let r = runner.forward(&batch);
+            let r = runner.execute(&batch, &sampling);
             (runner, r)
         })
         .await;
         drop(prefill_spans);
-        let logits = match joined {
-            Ok((r, Ok(logits))) => {
+        let output: ModelOutput = match joined {
+            Ok((r, Ok(output))) => {
                 runner = r;
-                logits
+                output
             }
             Ok((r, Err(error))) => {
                 runner = r;
@@ -567,21 +595,11 @@ async fn run(
                 std::panic::resume_unwind(join.into_panic());
             }
         };
-        let sampled: Vec<Option<u32>> = out
-            .seqs
-            .iter()
-            .enumerate()
-            .map(|(i, seq)| {
-                let row = logits.last_of(i).filter(|_| seq.samples)?;
-                let r = a.active.get_mut(&seq.id)?;
-                Some(r.sampler.sample(row, &r.history))
-            })
-            .collect();
-        if !inject_step_delay.is_zero() && sampled.iter().any(Option::is_some) {
+        if !inject_step_delay.is_zero() && output.sampled.iter().any(Option::is_some) {
             // Test-only fault injection (--inject-delay-ms): a slower decode step.
             tokio::time::sleep(inject_step_delay).await;
         }
-        for o in a.s.update(&out, &ModelOutput { sampled }) {
+        for o in a.s.update(&out, &output) {
             let Some(r) = a.active.get_mut(&o.id) else {
                 continue;
             };

@@ -25,7 +25,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::block_manager::{BlockConfigError, BlockManager, BlockManagerConfig, CacheKey};
-use crate::backend::{Batch, LogitsWanted, SeqChunk};
+use crate::backend::{Batch, LogitsWanted, ModelOutput, SeqChunk};
 
 /// Identifier of a request.
 pub type RequestId = u64;
@@ -123,8 +123,6 @@ pub struct SchedRequest {
     pub prompt: Vec<u32>,
     /// Most tokens to generate (≥ 1).
     pub max_tokens: usize,
-    /// Tokens that end generation (the model's end-of-generation set).
-    pub eos: Vec<u32>,
     /// Prefix-cache separation (namespace, adapter, salt).
     pub cache_key: CacheKey,
     /// The LoRA adapter it runs under (an index into the runner's adapters).
@@ -253,14 +251,6 @@ impl SchedulerOutput {
                 .collect(),
         }
     }
-}
-
-/// What the model produced for a step: the sampled token of each scheduled sequence
-/// (`None` where it did not sample), in batch order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ModelOutput {
-    /// One entry per [`SchedulerOutput::seqs`].
-    pub sampled: Vec<Option<u32>>,
 }
 
 /// What happened to one request in a step.
@@ -506,10 +496,11 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 
-    /// Applies a step's results: advances computed positions, registers newly full
-    /// blocks in the prefix cache, appends sampled tokens and finishes requests.
-    /// Sequences that are no longer running (finished or cancelled in between) are
-    /// skipped.
+    /// Applies a step's results (`model.sampled` in the order of `sched.seqs`):
+    /// advances computed positions, registers newly full blocks in the prefix cache,
+    /// appends sampled tokens and finishes requests (on a stop token, as the runner
+    /// found it, or on length). Sequences that are no longer running (finished or
+    /// cancelled in between) are skipped.
     pub fn update(&mut self, sched: &SchedulerOutput, model: &ModelOutput) -> Vec<RequestOutput> {
         let mut outs = Vec::new();
         for (k, seq) in sched.seqs.iter().enumerate() {
@@ -535,11 +526,12 @@ impl Scheduler {
             let Some(s) = self.reqs.get_mut(&seq.id) else {
                 continue;
             };
-            let Some(tok) = sampled else {
+            let Some(sampled) = sampled else {
                 continue;
             };
+            let tok = sampled.token;
             s.output.push(tok);
-            let finished = if s.req.eos.contains(&tok) {
+            let finished = if sampled.stop {
                 Some(FinishReason::Stop)
             } else if s.output.len() >= s.req.max_tokens || s.len() >= self.config.max_model_len {
                 Some(FinishReason::Length)

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 
 use super::*;
+use crate::sampling::SampledToken;
 
 const EOS: u32 = 0;
 
@@ -64,7 +65,14 @@ impl FakeModel {
                     let b = seq.block_table[p / bs];
                     self.kv.insert((b, p % bs), t);
                 }
-                seq.samples.then(|| self.next_token(&ctx))
+                seq.samples.then(|| {
+                    let token = self.next_token(&ctx);
+                    SampledToken {
+                        token,
+                        stop: token == EOS,
+                        logprob: None,
+                    }
+                })
             })
             .collect();
         ModelOutput { sampled }
@@ -89,7 +97,6 @@ fn req(id: RequestId, prompt: Vec<u32>, max_tokens: usize) -> SchedRequest {
         id,
         prompt,
         max_tokens,
-        eos: vec![EOS],
         cache_key: CacheKey::default(),
         adapter: None,
     }

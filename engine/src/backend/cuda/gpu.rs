@@ -13,6 +13,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -287,10 +288,10 @@ impl Device for CudaDevice {
     fn read_unchecked<T: Elem>(
         &self,
         src: &CudaSlice<T>,
-        len: usize,
+        range: Range<usize>,
         _: Checked,
     ) -> Result<Vec<T>, DeviceError> {
-        self.stream.clone_dtoh(&src.slice(0..len)).map_err(drv)
+        self.stream.clone_dtoh(&src.slice(range)).map_err(drv)
     }
 
     fn launch_embed(
@@ -548,7 +549,7 @@ impl Device for CudaDevice {
         &self,
         logits: &CudaSlice<f32>,
         scratch: &mut CudaSlice<f32>,
-        rows: usize,
+        rows: Range<usize>,
         vocab: usize,
         p: SampleParams,
         uniforms: &CudaSlice<f32>,
@@ -557,19 +558,28 @@ impl Device for CudaDevice {
     ) -> Result<(), DeviceError> {
         // The parameters are in the kernel's range: checked with the sizes.
         let (vi, ki) = (int(vocab, "vocab")?, int(p.top_k, "top_k")?);
+        // The kernel samples from its arguments' row 0: views start at `rows.start`.
+        let logits = logits.slice(rows.start * vocab..);
+        let mut scratch = scratch.slice_mut(rows.start * vocab..);
+        let uniforms = uniforms.slice(rows.start..);
+        let mut out = out.slice_mut(rows.start..);
         // SAFETY: the arguments follow sample.cu (sample_top_k_top_p)'s signature; `Device::sample_top_k_top_p`
         // checked every buffer against this grid (the `Checked` argument).
         unsafe {
-            self.launch("sample_top_k_top_p", Grid::per_item(rows, 1024), |b| {
-                b.arg(logits)
-                    .arg(scratch)
-                    .arg(&vi)
-                    .arg(&ki)
-                    .arg(&p.top_p)
-                    .arg(&p.temperature)
-                    .arg(uniforms)
-                    .arg(out);
-            })
+            self.launch(
+                "sample_top_k_top_p",
+                Grid::per_item(rows.len(), 1024),
+                |b| {
+                    b.arg(&logits)
+                        .arg(&mut scratch)
+                        .arg(&vi)
+                        .arg(&ki)
+                        .arg(&p.top_p)
+                        .arg(&p.temperature)
+                        .arg(&uniforms)
+                        .arg(&mut out);
+                },
+            )
         }
     }
 

@@ -2,6 +2,8 @@
 //! the CPU twins. It is the reference the GPU is tested against, and it runs the whole
 //! device forward pass on machines without a GPU.
 
+use std::ops::Range;
+
 use super::twin::{self, KvParams, MatShape, QuantFormat, SampleParams};
 use super::{Checked, Device, DeviceError, Elem, RopeParams};
 
@@ -47,10 +49,10 @@ impl Device for CpuDevice {
     fn read_unchecked<T: Elem>(
         &self,
         src: &Vec<T>,
-        len: usize,
+        range: Range<usize>,
         _: Checked,
     ) -> Result<Vec<T>, DeviceError> {
-        Ok(src[..len].to_vec())
+        Ok(src[range].to_vec())
     }
 
     fn launch_embed(
@@ -202,7 +204,7 @@ impl Device for CpuDevice {
         &self,
         logits: &Vec<f32>,
         _scratch: &mut Vec<f32>,
-        rows: usize,
+        rows: Range<usize>,
         vocab: usize,
         p: SampleParams,
         uniforms: &Vec<f32>,
@@ -210,11 +212,11 @@ impl Device for CpuDevice {
         _: Checked,
     ) -> Result<(), DeviceError> {
         twin::sample_top_k_top_p(
-            &logits[..rows * vocab],
+            &logits[rows.start * vocab..rows.end * vocab],
             vocab,
             p,
-            &uniforms[..rows],
-            &mut out[..rows],
+            &uniforms[rows.clone()],
+            &mut out[rows],
         );
         Ok(())
     }
@@ -248,7 +250,7 @@ mod tests {
         shape_err(d.sample_top_k_top_p(
             &logits,
             &mut scratch,
-            2,
+            0..2,
             4,
             p,
             &vec![0.5],
@@ -258,7 +260,7 @@ mod tests {
         shape_err(d.sample_top_k_top_p(
             &logits,
             &mut scratch,
-            2,
+            0..2,
             4,
             p0,
             &vec![0.5; 2],

@@ -29,6 +29,8 @@ pub mod twin;
 
 pub use cpu_device::CpuDevice;
 
+use std::ops::Range;
+
 use twin::{KvParams, MatShape, QuantFormat, SampleParams};
 
 /// Errors of a device operation.
@@ -184,14 +186,14 @@ pub trait Device {
         src: &[T],
         checked: Checked,
     ) -> Result<(), DeviceError>;
-    /// Copies the first `len` elements back (`len` > 0, fits).
+    /// Copies elements `range` back (not empty, fits).
     ///
     /// # Errors
     /// A driver failure (a failed kernel shows up here).
     fn read_unchecked<T: Elem>(
         &self,
         src: &Self::Buf<T>,
-        len: usize,
+        range: Range<usize>,
         checked: Checked,
     ) -> Result<Vec<T>, DeviceError>;
 
@@ -326,7 +328,7 @@ pub trait Device {
         out: &mut Self::Buf<u32>,
         checked: Checked,
     ) -> Result<(), DeviceError>;
-    /// [`Device::sample_top_k_top_p`] on checked operands, `rows > 0`.
+    /// [`Device::sample_top_k_top_p`] on checked operands, `rows` not empty.
     ///
     /// # Errors
     /// A launch failure.
@@ -335,7 +337,7 @@ pub trait Device {
         &self,
         logits: &Self::Buf<f32>,
         scratch: &mut Self::Buf<f32>,
-        rows: usize,
+        rows: Range<usize>,
         vocab: usize,
         p: SampleParams,
         uniforms: &Self::Buf<f32>,
@@ -361,11 +363,23 @@ pub trait Device {
     /// [`DeviceError::Shape`] when `len` is past the buffer; a driver failure (a
     /// failed kernel shows up here).
     fn read<T: Elem>(&self, src: &Self::Buf<T>, len: usize) -> Result<Vec<T>, DeviceError> {
-        need("read", self.len(src), len)?;
-        if len == 0 {
+        self.read_range(src, 0..len)
+    }
+
+    /// Copies elements `range` back (waits for the work queued before).
+    ///
+    /// # Errors
+    /// [`DeviceError::Shape`] when `range` is past the buffer; a driver failure.
+    fn read_range<T: Elem>(
+        &self,
+        src: &Self::Buf<T>,
+        range: Range<usize>,
+    ) -> Result<Vec<T>, DeviceError> {
+        need("read", self.len(src), range.end)?;
+        if range.is_empty() {
             return Ok(Vec::new());
         }
-        self.read_unchecked(src, len, Checked(()))
+        self.read_unchecked(src, range, Checked(()))
     }
 
     /// See `embed.cu`: `out[t] = dequantize(table row tokens[t])` for `n` tokens.
@@ -642,7 +656,8 @@ pub trait Device {
         self.launch_argmax_rows(logits, rows, vocab, out, Checked(()))
     }
 
-    /// See `sample.cu` (`sample_top_k_top_p`); `scratch` holds `rows × vocab` floats.
+    /// See `sample.cu` (`sample_top_k_top_p`), over logits rows `rows` (row `r` reads
+    /// `uniforms[r]`, works in `scratch` row `r`, writes `out[r]`), all with `p`.
     ///
     /// # Errors
     /// [`DeviceError::Shape`] for parameters out of the kernel's range
@@ -652,19 +667,19 @@ pub trait Device {
         &self,
         logits: &Self::Buf<f32>,
         scratch: &mut Self::Buf<f32>,
-        rows: usize,
+        rows: Range<usize>,
         vocab: usize,
         p: SampleParams,
         uniforms: &Self::Buf<f32>,
         out: &mut Self::Buf<u32>,
     ) -> Result<(), DeviceError> {
         check_sample_params(p)?;
-        fits_int(&[("rows", rows), ("vocab", vocab)])?;
-        need("sample logits", self.len(logits), rows * vocab)?;
-        need("sample scratch", self.len(scratch), rows * vocab)?;
-        need("sample uniforms", self.len(uniforms), rows)?;
-        need("sample out", self.len(out), rows)?;
-        if rows == 0 {
+        fits_int(&[("rows", rows.len()), ("vocab", vocab)])?;
+        need("sample logits", self.len(logits), rows.end * vocab)?;
+        need("sample scratch", self.len(scratch), rows.end * vocab)?;
+        need("sample uniforms", self.len(uniforms), rows.end)?;
+        need("sample out", self.len(out), rows.end)?;
+        if rows.is_empty() {
             return Ok(()); // a zero-sized grid is a launch error
         }
         self.launch_sample_top_k_top_p(logits, scratch, rows, vocab, p, uniforms, out, Checked(()))

@@ -11,18 +11,25 @@
 //! - a step of decode tokens only (one token per sequence, last logits) is padded to
 //!   a batch-size bucket and, on a device that records, replayed as one CUDA graph;
 //!   the graph's launches read every per-step input from fixed device buffers, which
-//!   are written before each replay. Growing a buffer drops every recorded graph.
+//!   are written before each replay. Growing a buffer drops every recorded graph;
+//! - [`ModelRunner::execute`] chooses tokens where the logits are: greedy rows by the
+//!   argmax every step computes, top-k/top-p rows by the sampling kernel, and only the
+//!   ids come back. What the kernels do not cover (penalties, top-k of 0 or above
+//!   256, log-probabilities) is sampled on the host from that row alone, read back,
+//!   on the same worker thread (`choice` says why, per case).
 
 use std::collections::HashSet;
 
-use super::twin::{KvParams, MatShape, QuantFormat};
-use super::{Device, DeviceError, RopeParams};
+use super::twin::{KvParams, MatShape, QuantFormat, SampleParams};
+use super::{Device, DeviceError, RopeParams, check_sample_params};
 use crate::backend::{
-    BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner, validate_batch,
+    BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelOutput, ModelRunner,
+    validate_batch, validate_sampling,
 };
 use crate::kernels::quant::{WeightFormat, dequantize_row};
 use crate::model::gguf::{GgmlType, GgufError, GgufFile};
 use crate::model::llama::{LlamaConfig, ModelError};
+use crate::sampling::SeqSampling;
 
 /// Settings of a device runner.
 #[derive(Clone, Debug, PartialEq)]
@@ -147,6 +154,10 @@ struct Scratch<D: Device> {
     gate_up: D::Buf<f32>,
     ffn: D::Buf<f32>,
     logits: D::Buf<f32>,
+    /// The sampling kernel's per-row draws, working copy of the logits, and picks.
+    uniforms: D::Buf<f32>,
+    sample_work: D::Buf<f32>,
+    sampled: D::Buf<u32>,
     /// Tokens, logits rows and table entries the buffers hold.
     cap: (usize, usize, usize),
 }
@@ -277,6 +288,42 @@ fn norm<D: Device>(
         source,
     })?;
     Ok(dev.upload(&out)?)
+}
+
+/// How a device runner chooses one sequence's token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Choice {
+    /// The argmax every step computes on the device (greedy without penalties).
+    Argmax,
+    /// The top-k/top-p sampling kernel.
+    Kernel(SampleParams),
+    /// The host sampler on the sequence's logits row, read back alone, for the reason
+    /// given: the kernels do not reproduce the host sampler in that case.
+    Host(&'static str),
+}
+
+/// Where sequence sampling `s` is chosen on a device runner.
+fn choice(s: &SeqSampling) -> Choice {
+    if s.logprob {
+        return Choice::Host("a log-probability needs the row's softmax normaliser");
+    }
+    if s.params.penalizes() {
+        return Choice::Host("penalties read the sequence's history; no kernel applies them");
+    }
+    if s.params.is_greedy() {
+        return Choice::Argmax;
+    }
+    let p = SampleParams {
+        top_k: s.params.top_k,
+        top_p: s.params.top_p,
+        temperature: s.params.temperature,
+    };
+    match check_sample_params(p) {
+        Ok(()) => Choice::Kernel(p),
+        // top_k 0 means every token: the kernel keeps at most 256 candidates, so it
+        // would sample from another distribution than the host sampler.
+        Err(_) => Choice::Host("top_k is 0 (all tokens) or above the kernel's 256"),
+    }
 }
 
 impl<D: Device> DeviceRunner<D> {
@@ -487,6 +534,9 @@ impl<D: Device> DeviceRunner<D> {
             gate_up: d.zeros(n * 2 * c.ffn_dim)?,
             ffn: d.zeros(n * c.ffn_dim)?,
             logits: d.zeros(m * c.vocab)?,
+            uniforms: d.zeros(m)?,
+            sample_work: d.zeros(m * c.vocab)?,
+            sampled: d.zeros(m)?,
             cap: (n, m, t),
         });
         tracing::debug!(tokens = n, rows = m, table = t, "device step buffers grown");
@@ -676,6 +726,89 @@ impl<D: Device> DeviceRunner<D> {
     }
 }
 
+impl<D: Device> DeviceRunner<D> {
+    /// Chooses the token of every sampling sequence of a step that [`Self::run`] just
+    /// computed (`spans`: each sequence's logits rows).
+    fn sample(
+        &mut self,
+        spans: &[std::ops::Range<usize>],
+        sampling: &[Option<SeqSampling>],
+    ) -> Result<ModelOutput, BackendError> {
+        let vocab = self.config.vocab;
+        let real = spans.last().map_or(0, |s| s.end);
+        // Each sampling sequence's (last) logits row and how its token is chosen.
+        let plan: Vec<Option<(usize, Choice)>> = sampling
+            .iter()
+            .zip(spans)
+            .map(|(s, span)| Some((span.end.checked_sub(1)?, choice(s.as_ref()?))))
+            .collect();
+        let has = |want: fn(&Choice) -> bool| plan.iter().flatten().any(|(_, c)| want(c));
+        let d = &self.dev;
+        let s = self
+            .scratch
+            .as_mut()
+            .ok_or_else(|| DeviceError::Shape("step buffers missing".into()))?;
+        let ids = if has(|c| *c == Choice::Argmax) {
+            d.read(&s.ids, real)?
+        } else {
+            Vec::new()
+        };
+        let picked = if has(|c| matches!(c, Choice::Kernel(_))) {
+            let mut uniforms = vec![0f32; real];
+            for (p, smp) in plan.iter().zip(sampling) {
+                if let (Some((row, Choice::Kernel(_))), Some(smp)) = (p, smp) {
+                    // The kernel takes f32 draws: the host's f64 draw, rounded, so a
+                    // token differs from the host sampler's only when the draw lies
+                    // within that rounding (or the GPU's last-bit exp) of a boundary
+                    // between two candidates.
+                    uniforms[*row] = smp.uniform.unwrap_or(0.0) as f32;
+                }
+            }
+            d.write(&mut s.uniforms, &uniforms)?;
+            // One launch per run of neighbouring rows with the same parameters.
+            let mut runs: Vec<(std::ops::Range<usize>, SampleParams)> = Vec::new();
+            for &(row, c) in plan.iter().flatten() {
+                let Choice::Kernel(p) = c else { continue };
+                match runs.last_mut() {
+                    Some((rows, q)) if *q == p && rows.end == row => rows.end += 1,
+                    _ => runs.push((row..row + 1, p)),
+                }
+            }
+            for (rows, p) in runs {
+                d.sample_top_k_top_p(
+                    &s.logits,
+                    &mut s.sample_work,
+                    rows,
+                    vocab,
+                    p,
+                    &s.uniforms,
+                    &mut s.sampled,
+                )?;
+            }
+            d.read(&s.sampled, real)?
+        } else {
+            Vec::new()
+        };
+        let mut sampled = Vec::with_capacity(plan.len());
+        for (p, smp) in plan.iter().zip(sampling) {
+            let (Some((row, c)), Some(smp)) = (p, smp) else {
+                sampled.push(None);
+                continue;
+            };
+            sampled.push(Some(match c {
+                Choice::Argmax => smp.sampled(ids[*row], None),
+                Choice::Kernel(_) => smp.sampled(picked[*row], None),
+                Choice::Host(reason) => {
+                    tracing::trace!(reason, "sampling on the host");
+                    let logits = d.read_range(&s.logits, row * vocab..(row + 1) * vocab)?;
+                    smp.sample_row(&logits)
+                }
+            }));
+        }
+        Ok(ModelOutput { sampled })
+    }
+}
+
 impl<D: Device> ModelRunner for DeviceRunner<D> {
     fn config(&self) -> &LlamaConfig {
         &self.config
@@ -715,5 +848,24 @@ impl<D: Device> ModelRunner for DeviceRunner<D> {
             data,
             spans: inp.spans,
         })
+    }
+
+    fn execute(
+        &mut self,
+        batch: &Batch,
+        sampling: &[Option<SeqSampling>],
+    ) -> Result<ModelOutput, BackendError> {
+        validate_sampling(batch, sampling)?;
+        if batch.seqs.is_empty() {
+            validate_batch(
+                batch,
+                self.config.vocab,
+                (self.device_config.block_size, self.num_blocks),
+                0,
+            )?;
+            return Ok(ModelOutput::default());
+        }
+        let (inp, _) = self.run(batch)?;
+        self.sample(&inp.spans, sampling)
     }
 }
