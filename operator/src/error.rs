@@ -12,6 +12,9 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// A cache (reflector store) lost its watch before its first list.
+    #[error("the {0} cache is gone: its watch stopped")]
+    Cache(&'static str),
     /// Server-side apply of a child failed.
     #[error("applying {kind} {name}: {source}")]
     Apply {
@@ -51,6 +54,7 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Self::Observe { .. } => "Observe",
+            Self::Cache(_) => "Cache",
             Self::Apply { .. } => "Apply",
             Self::Delete { .. } => "Delete",
             Self::Status(_) => "Status",

@@ -107,11 +107,11 @@ async fn main() -> anyhow::Result<()> {
     }
     metrics.set_leader(true);
 
-    let ctx = Arc::new(Context {
+    let ctx = Context {
         engine_otlp_endpoint: args.otlp_endpoint.clone(),
         router_image: Some(args.router_image.clone()),
         ..Context::new(client, elector.identity(), metrics.clone())
-    });
+    };
     let mut controller_stop = stop_rx.clone();
     let (lost_tx, mut lost_rx) = watch::channel(false);
     let controller = tokio::spawn(reconcile::run(ctx, args.namespace.clone(), async move {

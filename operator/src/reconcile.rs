@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{StreamExt, future, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Node, Pod, Service, ServiceAccount};
@@ -24,19 +24,21 @@ use kube::api::{
 };
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use slipway_api::InferenceService;
 use slipway_api::spec::MetricsSourceKind;
-use tracing::{info, warn};
+use slipway_api::status::InferenceServiceStatus;
+use tracing::{debug, info, warn};
 
 use crate::demand::DemandReader;
 use crate::error::Error;
 use crate::labels;
 use crate::metrics::{Metrics, ServiceGauges};
+use crate::nodes;
 use crate::observed::{self, LabelledKind, Observed};
 use crate::plan::{self, Plan};
 use crate::rollout;
@@ -61,6 +63,10 @@ pub struct Context {
     pub engine_otlp_endpoint: Option<String>,
     /// The router pods' image (`--router-image`); `None` is the default image.
     pub router_image: Option<String>,
+    /// Every node, as the node watch last saw it: what `observe` reads instead of
+    /// listing the nodes on each reconcile. [`run`] fills it; a context that never ran
+    /// has a cache that never becomes ready.
+    pub nodes: Store<Node>,
 }
 
 impl Context {
@@ -77,6 +83,7 @@ impl Context {
             demand: DemandReader::new(),
             engine_otlp_endpoint: None,
             router_image: None,
+            nodes: reflector::store().0,
         }
     }
 }
@@ -95,8 +102,12 @@ where
 
 /// Runs the controller until `shutdown` resolves; watches one namespace when
 /// `namespace` is set, else all.
+///
+/// Two caches (reflector stores) are filled by watches the controller needs anyway:
+/// the nodes (what `observe` reads) and the engine pods, slimmed to their labels and
+/// node (what maps a node event to the InferenceServices it concerns).
 pub async fn run(
-    ctx: Arc<Context>,
+    ctx: Context,
     namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
@@ -109,44 +120,144 @@ pub async fn run(
             labels::FIELD_MANAGER
         ))
     };
-    Controller::new(
+    let (node_cache, node_writer) = reflector::store::<Node>();
+    let (pod_cache, pod_writer) = reflector::store::<Pod>();
+    let ctx = Arc::new(Context {
+        nodes: node_cache,
+        ..ctx
+    });
+    let pods = watcher::watcher(scoped::<Pod>(&client, namespace), owned())
+        .default_backoff()
+        .modify(slim_pod)
+        .reflect(pod_writer)
+        .touched_objects();
+    let nodes = watcher::watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .modify(slim_node)
+        .reflect(node_writer);
+    let controller = Controller::new(
         scoped::<InferenceService>(&client, namespace),
         watcher::Config::default(),
-    )
-    .owns(scoped::<Pod>(&client, namespace), owned())
-    .owns(scoped::<Service>(&client, namespace), owned())
-    .owns(scoped::<PodDisruptionBudget>(&client, namespace), owned())
-    // The router's objects: one deleted or changed by hand is put back at once.
-    .owns(scoped::<Deployment>(&client, namespace), owned())
-    .owns(scoped::<ServiceAccount>(&client, namespace), owned())
-    .owns(scoped::<Role>(&client, namespace), owned())
-    .owns(scoped::<RoleBinding>(&client, namespace), owned())
-    // Endpoint changes move `serving`. The endpoint-slice controller copies a
-    // Service's labels onto its slices, so ours carry the instance label.
-    .watches(
-        scoped::<EndpointSlice>(&client, namespace),
-        owned(),
-        |slice| {
-            let namespace = slice.namespace();
-            slice.labels().get(labels::INSTANCE).map(|instance| {
-                let object = ObjectRef::new(instance);
-                match namespace {
-                    Some(namespace) => object.within(&namespace),
-                    None => object,
+    );
+    let node_triggers = node_triggers(nodes, controller.store(), pod_cache);
+    controller
+        .owns_stream(pods)
+        .owns(scoped::<Service>(&client, namespace), owned())
+        .owns(scoped::<PodDisruptionBudget>(&client, namespace), owned())
+        // The router's objects: one deleted or changed by hand is put back at once.
+        .owns(scoped::<Deployment>(&client, namespace), owned())
+        .owns(scoped::<ServiceAccount>(&client, namespace), owned())
+        .owns(scoped::<Role>(&client, namespace), owned())
+        .owns(scoped::<RoleBinding>(&client, namespace), owned())
+        // Endpoint changes move `serving`. The endpoint-slice controller copies a
+        // Service's labels onto its slices, so ours carry the instance label.
+        .watches(
+            scoped::<EndpointSlice>(&client, namespace),
+            owned(),
+            |slice| {
+                let namespace = slice.namespace();
+                slice.labels().get(labels::INSTANCE).map(|instance| {
+                    let object = ObjectRef::new(instance);
+                    match namespace {
+                        Some(namespace) => object.within(&namespace),
+                        None => object,
+                    }
+                })
+            },
+        )
+        // Fault domains follow the nodes: a zone going NotReady must show at once, in
+        // the InferenceServices that run there.
+        .reconcile_on(node_triggers)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                warn!(%error, "reconcile loop error");
+            }
+        })
+        .await;
+}
+
+/// The InferenceServices each node event concerns ([`nodes::concerned`]), looked up in
+/// the caches when the event arrives. Watch errors are logged; the watcher retries
+/// with its default backoff.
+fn node_triggers(
+    events: impl futures::Stream<Item = Result<watcher::Event<Node>, watcher::Error>> + Send + 'static,
+    services: Store<InferenceService>,
+    pods: Store<Pod>,
+) -> impl futures::Stream<Item = ObjectRef<InferenceService>> + Send + 'static {
+    let mut changes = nodes::NodeChanges::default();
+    events
+        .filter_map(move |event| {
+            let changed = match event {
+                Ok(event) => changes.update(nodes::view(event)),
+                Err(error) => {
+                    warn!(%error, "watching nodes failed; retrying");
+                    Vec::new()
                 }
-            })
-        },
-    )
-    // Fault domains follow the nodes: a zone going NotReady must show at once.
-    .reconcile_all_on(crate::nodes::triggers(client.clone()))
-    .graceful_shutdown_on(shutdown)
-    .run(reconcile, error_policy, ctx)
-    .for_each(|result| async move {
-        if let Err(error) = result {
-            warn!(%error, "reconcile loop error");
-        }
-    })
-    .await;
+            };
+            let refs: Vec<ObjectRef<InferenceService>> = if changed.is_empty() {
+                Vec::new()
+            } else {
+                let keys: Vec<nodes::ServiceKey> = services
+                    .state()
+                    .iter()
+                    .filter_map(|isvc| {
+                        Some(nodes::ServiceKey {
+                            namespace: isvc.namespace()?,
+                            name: isvc.name_any(),
+                            domain_key: isvc.spec.capacity.fault_domain.topology_key.clone(),
+                        })
+                    })
+                    .collect();
+                let placed: Vec<nodes::PlacedPod> = pods
+                    .state()
+                    .iter()
+                    .filter_map(|pod| {
+                        Some(nodes::PlacedPod {
+                            namespace: pod.namespace()?,
+                            instance: pod.labels().get(labels::INSTANCE)?.clone(),
+                            node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+                        })
+                    })
+                    .collect();
+                let found = nodes::concerned(&changed, &keys, &placed, changes.current());
+                debug!(
+                    nodes = changed.len(),
+                    services = found.len(),
+                    "nodes changed as fault domains see them"
+                );
+                found
+                    .into_iter()
+                    .map(|(namespace, name)| ObjectRef::new(&name).within(&namespace))
+                    .collect()
+            };
+            future::ready((!refs.is_empty()).then(|| stream::iter(refs)))
+        })
+        .flatten()
+}
+
+/// What the pod cache keeps of a pod: its metadata without managed fields, and of its
+/// spec only the node. The controller's owner lookup reads the metadata; the node
+/// mapping reads the instance label and the node. At thousands of pods the rest
+/// (containers, status) would be most of the operator's memory.
+fn slim_pod(pod: &mut Pod) {
+    pod.managed_fields_mut().clear();
+    pod.annotations_mut().clear();
+    pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+        node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+        ..Default::default()
+    });
+    pod.status = None;
+}
+
+/// What the node cache keeps of a node: all `observed::node_from` reads (labels,
+/// spec, conditions), without managed fields and the image list.
+fn slim_node(node: &mut Node) {
+    node.managed_fields_mut().clear();
+    if let Some(status) = node.status.as_mut() {
+        status.images = None;
+    }
 }
 
 /// One reconcile of one InferenceService.
@@ -175,7 +286,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         .namespace()
         .ok_or(Error::MissingMetadata("namespace"))?;
     let name = isvc.name_any();
-    let mut observed = observe(&ctx.client, &namespace, &name).await?;
+    let mut observed = observe(&ctx.client, &ctx.nodes, &namespace, &name).await?;
     observed.metrics = read_rollout_metrics(isvc, &observed, ctx, &namespace, &name).await;
     observed.external_scalers = external_scalers(&ctx.client, &namespace, &name).await;
     observed
@@ -200,34 +311,15 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     }
     let plan = plan::plan(isvc, &observed, &now);
 
-    apply(&ctx.client, &namespace, &plan).await?;
+    if let Err(error) = apply(&ctx.client, &namespace, &plan).await {
+        report_apply_failure(isvc, ctx, &namespace, &error, &now).await;
+        return Err(error);
+    }
     delete(&ctx.client, &namespace, &plan).await?;
     if isvc.status.as_ref() != Some(&plan.status) {
-        publish_status(&ctx.client, &namespace, &name, &plan).await?;
+        publish_status(&ctx.client, &namespace, &name, &plan.status).await?;
     }
-    let reference = isvc.object_ref(&());
-    for event in &plan.events {
-        let published = ctx
-            .recorder
-            .publish(
-                &Event {
-                    type_: match event.type_ {
-                        PlannedType::Normal => EventType::Normal,
-                        PlannedType::Warning => EventType::Warning,
-                    },
-                    reason: event.reason.to_owned(),
-                    note: Some(event.note.clone()),
-                    action: event_action(&event.note),
-                    secondary: None,
-                },
-                &reference,
-            )
-            .await;
-        // An event that cannot be recorded must not fail the reconcile that did the work.
-        if let Err(error) = published {
-            warn!(%error, %name, %namespace, reason = event.reason, "could not record event");
-        }
-    }
+    record_events(isvc, ctx, &plan.events).await;
     let rollbacks = plan
         .events
         .iter()
@@ -391,16 +483,91 @@ async fn external_scalers(client: &Client, namespace: &str, name: &str) -> Vec<S
     found
 }
 
+/// The child and the API's answer of a failed apply; `None` for any other error.
+pub fn apply_failure(error: &Error) -> Option<plan::ApplyFailure> {
+    let Error::Apply { kind, name, source } = error else {
+        return None;
+    };
+    let message = match source {
+        kube::Error::Api(status) if !status.message.is_empty() => status.message.clone(),
+        other => other.to_string(),
+    };
+    Some(plan::ApplyFailure {
+        kind,
+        name: name.clone(),
+        message,
+    })
+}
+
+/// Says in status (`Ready=False`, [`plan::APPLY_FAILED`]) and in a Warning event that
+/// a child could not be applied; the caller still returns the error, so the apply is
+/// retried. A failure to report is logged only: the retry reports again.
+async fn report_apply_failure(
+    isvc: &InferenceService,
+    ctx: &Context,
+    namespace: &str,
+    error: &Error,
+    now: &Time,
+) {
+    let Some(failure) = apply_failure(error) else {
+        return;
+    };
+    let name = isvc.name_any();
+    let previous = isvc.status.clone().unwrap_or_default();
+    let generation = isvc.metadata.generation.unwrap_or(0);
+    let (status, events) = plan::apply_failed(&previous, generation, &failure, now);
+    if isvc.status.as_ref() != Some(&status)
+        && let Err(error) = publish_status(&ctx.client, namespace, &name, &status).await
+    {
+        warn!(%error, %name, %namespace, "could not report the failed apply in status");
+    }
+    record_events(isvc, ctx, &events).await;
+}
+
+/// Records planned events on the InferenceService. An event that cannot be recorded
+/// must not fail the reconcile that did the work: it is logged.
+async fn record_events(isvc: &InferenceService, ctx: &Context, events: &[plan::PlannedEvent]) {
+    let reference = isvc.object_ref(&());
+    for event in events {
+        let published = ctx
+            .recorder
+            .publish(
+                &Event {
+                    type_: match event.type_ {
+                        PlannedType::Normal => EventType::Normal,
+                        PlannedType::Warning => EventType::Warning,
+                    },
+                    reason: event.reason.to_owned(),
+                    note: Some(event.note.clone()),
+                    action: event_action(&event.note),
+                    secondary: None,
+                },
+                &reference,
+            )
+            .await;
+        if let Err(error) = published {
+            warn!(%error, name = %isvc.name_any(), reason = event.reason, "could not record event");
+        }
+    }
+}
+
 fn error_policy(isvc: Arc<InferenceService>, error: &Error, _ctx: Arc<Context>) -> Action {
     warn!(%error, category = error.category(), name = %isvc.name_any(), "reconcile failed; retrying");
     Action::requeue(ERROR_REQUEUE)
 }
 
-/// Reads the children, nodes and endpoints of one InferenceService.
+/// Reads the children and endpoints of one InferenceService, and the nodes from the
+/// node cache (waiting for its first list).
 ///
 /// # Errors
-/// [`Error::Observe`] when a list fails.
-pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Observed, Error> {
+/// [`Error::Observe`] when a list fails; [`Error::Cache`] when the node cache can
+/// never fill (its watch is gone).
+pub async fn observe(
+    client: &Client,
+    nodes: &Store<Node>,
+    namespace: &str,
+    name: &str,
+) -> Result<Observed, Error> {
     let selector = ListParams::default().labels(&labels::instance_selector_string(name));
     let pods = Api::<Pod>::namespaced(client.clone(), namespace)
         .list(&selector)
@@ -416,13 +583,10 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
             what: "services",
             source,
         })?;
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
+    nodes
+        .wait_until_ready()
         .await
-        .map_err(|source| Error::Observe {
-            what: "nodes",
-            source,
-        })?;
+        .map_err(|_| Error::Cache("nodes"))?;
 
     let mut observed = Observed::default();
     observed::sort_pods(&pods.items, &mut observed);
@@ -442,7 +606,7 @@ pub async fn observe(client: &Client, namespace: &str, name: &str) -> Result<Obs
         }
     }
     observed.nodes = nodes
-        .items
+        .state()
         .iter()
         .map(|node| (node.name_any(), observed::node_from(node)))
         .collect();
@@ -729,12 +893,12 @@ async fn publish_status(
     client: &Client,
     namespace: &str,
     name: &str,
-    plan: &Plan,
+    status: &InferenceServiceStatus,
 ) -> Result<(), Error> {
     let patch = serde_json::json!({
         "apiVersion": InferenceService::api_version(&()),
         "kind": InferenceService::kind(&()),
-        "status": plan.status,
+        "status": status,
     });
     Api::<InferenceService>::namespaced(client.clone(), namespace)
         .patch_status(
@@ -757,4 +921,65 @@ fn event_action(note: &str) -> String {
     let mut hasher = std::hash::DefaultHasher::new();
     note.hash(&mut hasher);
     format!("Reconcile/{:016x}", hasher.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The API server's answer when the service range is exhausted, as kube returns it.
+    fn refused(code: u16, message: &str) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status {
+                code,
+                message: message.to_owned(),
+                reason: "InternalError".to_owned(),
+                ..kube::core::Status::failure(message, "InternalError")
+            }
+            .boxed(),
+        )
+    }
+
+    #[test]
+    fn a_refused_apply_carries_the_api_message_into_status() {
+        let error = Error::Apply {
+            kind: "Service",
+            name: "chat-g3".to_owned(),
+            source: refused(
+                500,
+                "Internal error occurred: failed to allocate a serviceIP: range is full",
+            ),
+        };
+        let failure = apply_failure(&error).expect("an apply failure");
+        assert_eq!(
+            failure,
+            plan::ApplyFailure {
+                kind: "Service",
+                name: "chat-g3".to_owned(),
+                message: "Internal error occurred: failed to allocate a serviceIP: range is full"
+                    .to_owned(),
+            }
+        );
+        let now = Time(Timestamp::from_second(100).unwrap_or(Timestamp::UNIX_EPOCH));
+        let (status, events) =
+            plan::apply_failed(&InferenceServiceStatus::default(), 1, &failure, &now);
+        let ready = &status.conditions[0];
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", plan::APPLY_FAILED)
+        );
+        assert!(ready.message.contains("range is full"), "{}", ready.message);
+        assert_eq!(events.len(), 1);
+    }
+
+    #[test]
+    fn only_apply_errors_are_reported_as_apply_failures() {
+        let error = Error::Delete {
+            kind: "Pod",
+            name: "chat-g0-r0".to_owned(),
+            source: refused(409, "conflict"),
+        };
+        assert_eq!(apply_failure(&error), None);
+        assert_eq!(apply_failure(&Error::Cache("nodes")), None);
+    }
 }

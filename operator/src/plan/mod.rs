@@ -38,6 +38,7 @@
 
 mod children;
 mod events;
+mod failure;
 mod groups;
 mod releases;
 mod status;
@@ -65,6 +66,7 @@ use groups::{GroupsPlan, LiveGroups, earliest};
 use releases::{Releases, Stable};
 
 pub use crate::types::{Child, ChildKind, ChildRef, Context, EventType, PlannedEvent};
+pub use failure::{APPLY_FAILED, ApplyFailure, apply_failed};
 pub use groups::{MAX_GROUP_RESTARTS, RESTART_BACKOFF, RESTART_RESET};
 
 /// What should exist and be reported.
