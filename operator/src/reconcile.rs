@@ -20,7 +20,8 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PartialObjectMeta,
+    Patch, PatchParams,
 };
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -63,10 +64,41 @@ pub struct Context {
     pub engine_otlp_endpoint: Option<String>,
     /// The router pods' image (`--router-image`); `None` is the default image.
     pub router_image: Option<String>,
-    /// Every node, as the node watch last saw it: what `observe` reads instead of
-    /// listing the nodes on each reconcile. [`run`] fills it; a context that never ran
-    /// has a cache that never becomes ready.
+    /// What the watches keep in memory, read by `observe` instead of a list per
+    /// reconcile. [`run`] fills them; a context that never ran has caches that never
+    /// become ready.
+    pub caches: Caches,
+}
+
+/// The reflector stores `observe` reads. Pods and Services are not among them: the
+/// plan decides from them whether a group is whole and what was restarted, and a
+/// cache that has not yet seen the pod this operator just created would make it
+/// recreate the group. A stale name below costs at most a delete answered 404.
+#[derive(Clone)]
+pub struct Caches {
+    /// Every node (fault domains, readiness).
     pub nodes: Store<Node>,
+    /// The names (metadata only) of the children found by label and deleted when the
+    /// plan drops them, except HTTPRoutes, whose CRD may be missing.
+    pub deployments: Store<PartialObjectMeta<Deployment>>,
+    pub service_accounts: Store<PartialObjectMeta<ServiceAccount>>,
+    pub roles: Store<PartialObjectMeta<Role>>,
+    pub role_bindings: Store<PartialObjectMeta<RoleBinding>>,
+    pub disruption_budgets: Store<PartialObjectMeta<PodDisruptionBudget>>,
+}
+
+impl Caches {
+    /// Empty stores that no watch fills (until [`run`] replaces them).
+    fn unfilled() -> Self {
+        Self {
+            nodes: reflector::store().0,
+            deployments: reflector::store().0,
+            service_accounts: reflector::store().0,
+            roles: reflector::store().0,
+            role_bindings: reflector::store().0,
+            disruption_budgets: reflector::store().0,
+        }
+    }
 }
 
 impl Context {
@@ -83,9 +115,14 @@ impl Context {
             demand: DemandReader::new(),
             engine_otlp_endpoint: None,
             router_image: None,
-            nodes: reflector::store().0,
+            caches: Caches::unfilled(),
         }
     }
+}
+
+/// What every watch of our children selects: the objects this operator manages.
+fn owned_config() -> watcher::Config {
+    watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, labels::FIELD_MANAGER))
 }
 
 /// The namespaced or cluster-wide API for `K`.
@@ -103,9 +140,11 @@ where
 /// Runs the controller until `shutdown` resolves; watches one namespace when
 /// `namespace` is set, else all.
 ///
-/// Two caches (reflector stores) are filled by watches the controller needs anyway:
-/// the nodes (what `observe` reads) and the engine pods, slimmed to their labels and
-/// node (what maps a node event to the InferenceServices it concerns).
+/// The caches (reflector stores) are filled by the watches the controller needs
+/// anyway: the nodes and the names of the labelled children (what `observe` reads, see
+/// [`Caches`]), and the engine pods, slimmed to their labels and node (what maps a
+/// node event to the InferenceServices it concerns). Each watch feeds its cache and
+/// the controller's triggers through one connection.
 pub async fn run(
     ctx: Context,
     namespace: Option<String>,
@@ -113,17 +152,25 @@ pub async fn run(
 ) {
     let client = ctx.client.clone();
     let namespace = namespace.as_deref();
-    let owned = || {
-        watcher::Config::default().labels(&format!(
-            "{}={}",
-            labels::MANAGED_BY,
-            labels::FIELD_MANAGER
-        ))
-    };
+    let owned = owned_config;
     let (node_cache, node_writer) = reflector::store::<Node>();
     let (pod_cache, pod_writer) = reflector::store::<Pod>();
+    let (deployments, deployment_names) = names_watch::<Deployment>(&client, namespace);
+    let (service_accounts, service_account_names) =
+        names_watch::<ServiceAccount>(&client, namespace);
+    let (roles, role_names) = names_watch::<Role>(&client, namespace);
+    let (role_bindings, role_binding_names) = names_watch::<RoleBinding>(&client, namespace);
+    let (disruption_budgets, disruption_budget_names) =
+        names_watch::<PodDisruptionBudget>(&client, namespace);
     let ctx = Arc::new(Context {
-        nodes: node_cache,
+        caches: Caches {
+            nodes: node_cache,
+            deployments,
+            service_accounts,
+            roles,
+            role_bindings,
+            disruption_budgets,
+        },
         ..ctx
     });
     let pods = watcher::watcher(scoped::<Pod>(&client, namespace), owned())
@@ -143,12 +190,12 @@ pub async fn run(
     controller
         .owns_stream(pods)
         .owns(scoped::<Service>(&client, namespace), owned())
-        .owns(scoped::<PodDisruptionBudget>(&client, namespace), owned())
+        .owns_stream(disruption_budget_names)
         // The router's objects: one deleted or changed by hand is put back at once.
-        .owns(scoped::<Deployment>(&client, namespace), owned())
-        .owns(scoped::<ServiceAccount>(&client, namespace), owned())
-        .owns(scoped::<Role>(&client, namespace), owned())
-        .owns(scoped::<RoleBinding>(&client, namespace), owned())
+        .owns_stream(deployment_names)
+        .owns_stream(service_account_names)
+        .owns_stream(role_names)
+        .owns_stream(role_binding_names)
         // Endpoint changes move `serving`. The endpoint-slice controller copies a
         // Service's labels onto its slices, so ours carry the instance label.
         .watches(
@@ -176,6 +223,36 @@ pub async fn run(
             }
         })
         .await;
+}
+
+/// A metadata-only watch of our `K`s (labels, owners and names are all that is read
+/// of them): its store, and its stream of touched objects for the controller.
+fn names_watch<K>(
+    client: &Client,
+    namespace: Option<&str>,
+) -> (
+    Store<PartialObjectMeta<K>>,
+    impl futures::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store::<PartialObjectMeta<K>>();
+    let stream = watcher::watcher(
+        scoped::<PartialObjectMeta<K>>(client, namespace),
+        owned_config(),
+    )
+    .default_backoff()
+    .modify(|object| object.managed_fields_mut().clear())
+    .reflect(writer)
+    .touched_objects();
+    (store, stream)
 }
 
 /// The InferenceServices each node event concerns ([`nodes::concerned`]), looked up in
@@ -286,7 +363,7 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         .namespace()
         .ok_or(Error::MissingMetadata("namespace"))?;
     let name = isvc.name_any();
-    let mut observed = observe(&ctx.client, &ctx.nodes, &namespace, &name).await?;
+    let mut observed = observe(&ctx.client, &ctx.caches, &namespace, &name).await?;
     observed.metrics = read_rollout_metrics(isvc, &observed, ctx, &namespace, &name).await;
     observed.external_scalers = external_scalers(&ctx.client, &namespace, &name).await;
     observed
@@ -564,7 +641,7 @@ fn error_policy(isvc: Arc<InferenceService>, error: &Error, _ctx: Arc<Context>) 
 /// never fill (its watch is gone).
 pub async fn observe(
     client: &Client,
-    nodes: &Store<Node>,
+    caches: &Caches,
     namespace: &str,
     name: &str,
 ) -> Result<Observed, Error> {
@@ -583,7 +660,8 @@ pub async fn observe(
             what: "services",
             source,
         })?;
-    nodes
+    caches
+        .nodes
         .wait_until_ready()
         .await
         .map_err(|_| Error::Cache("nodes"))?;
@@ -605,7 +683,8 @@ pub async fn observe(
             }
         }
     }
-    observed.nodes = nodes
+    observed.nodes = caches
+        .nodes
         .state()
         .iter()
         .map(|node| (node.name_any(), observed::node_from(node)))
@@ -644,27 +723,51 @@ pub async fn observe(
         })
         .filter_map(|endpoint| endpoint.target_ref.as_ref()?.name.clone())
         .collect();
+    let selector_labels = labels::instance_selector(name);
     observed.labelled = BTreeMap::from([
         (
             LabelledKind::Deployment,
-            names::<Deployment>(client, namespace, &selector, "deployments").await?,
+            cached_names(
+                &caches.deployments,
+                namespace,
+                &selector_labels,
+                "deployments",
+            )
+            .await?,
         ),
         (
             LabelledKind::ServiceAccount,
-            names::<ServiceAccount>(client, namespace, &selector, "serviceaccounts").await?,
+            cached_names(
+                &caches.service_accounts,
+                namespace,
+                &selector_labels,
+                "serviceaccounts",
+            )
+            .await?,
         ),
         (
             LabelledKind::Role,
-            names::<Role>(client, namespace, &selector, "roles").await?,
+            cached_names(&caches.roles, namespace, &selector_labels, "roles").await?,
         ),
         (
             LabelledKind::RoleBinding,
-            names::<RoleBinding>(client, namespace, &selector, "rolebindings").await?,
+            cached_names(
+                &caches.role_bindings,
+                namespace,
+                &selector_labels,
+                "rolebindings",
+            )
+            .await?,
         ),
         (
             LabelledKind::PodDisruptionBudget,
-            names::<PodDisruptionBudget>(client, namespace, &selector, "poddisruptionbudgets")
-                .await?,
+            cached_names(
+                &caches.disruption_budgets,
+                namespace,
+                &selector_labels,
+                "poddisruptionbudgets",
+            )
+            .await?,
         ),
     ]);
     // HTTPRoutes are a CRD of their own: a cluster without it answers 404, which is a
@@ -696,26 +799,32 @@ pub async fn observe(
     Ok(observed)
 }
 
-/// Names of the `K`s that `selector` lists in `namespace`.
-async fn names<K>(
-    client: &Client,
+/// Names of the `K`s in `namespace` whose labels include `selector`, from a cache
+/// (waiting for its first list).
+async fn cached_names<K>(
+    store: &Store<PartialObjectMeta<K>>,
     namespace: &str,
-    selector: &ListParams,
+    selector: &BTreeMap<String, String>,
     what: &'static str,
 ) -> Result<BTreeSet<String>, Error>
 where
-    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug,
+    K: Resource<DynamicType = ()> + Clone + 'static,
 {
-    Ok(Api::<K>::namespaced(client.clone(), namespace)
-        .list_metadata(selector)
+    store
+        .wait_until_ready()
         .await
-        .map_err(|source| Error::Observe { what, source })?
-        .items
+        .map_err(|_| Error::Cache(what))?;
+    Ok(store
+        .state()
         .iter()
-        .map(ResourceExt::name_any)
+        .filter(|object| object.namespace().as_deref() == Some(namespace))
+        .filter(|object| {
+            let labels = object.labels();
+            selector
+                .iter()
+                .all(|(key, value)| labels.get(key) == Some(value))
+        })
+        .map(|object| object.name_any())
         .collect())
 }
 
