@@ -98,6 +98,43 @@ impl Cluster {
         self.kubectl_with(&self.kubeconfig, args, timeout)
     }
 
+    /// Waits until the CRDs `target` names (`["crd/NAME"]` or `["-f", PATH]`) are
+    /// Established.
+    ///
+    /// Right after a CRD is created it has no `.status.conditions` at all, and
+    /// `kubectl wait --for=condition=...` then fails at once ("accessor error: <nil>")
+    /// instead of waiting, so that answer is retried until `timeout`.
+    ///
+    /// # Errors
+    /// As [`Cluster::kubectl`]; [`Error::Timeout`] when still not Established.
+    pub fn wait_established(&self, target: &[&str], timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let wait_for = format!("--timeout={}s", timeout.as_secs().max(1));
+        let mut args = vec!["wait", "--for=condition=Established", wait_for.as_str()];
+        args.extend_from_slice(target);
+        loop {
+            match self.kubectl(&args, timeout + KUBECTL_TIMEOUT) {
+                Ok(_) => return Ok(()),
+                Err(Error::CommandFailed { stderr, .. })
+                    if stderr.contains(".status.conditions accessor error")
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(Error::CommandFailed { stderr, .. })
+                    if stderr.contains(".status.conditions accessor error") =>
+                {
+                    return Err(Error::Timeout {
+                        what: format!("{} to be Established", target.join(" ")),
+                        timeout,
+                        last_seen: stderr.trim().to_owned(),
+                    });
+                }
+                Err(other) => return Err(other),
+            }
+        }
+    }
+
     /// Run kubectl with another identity's kubeconfig and return its stdout.
     ///
     /// # Errors

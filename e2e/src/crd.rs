@@ -53,10 +53,5 @@ fn install(cluster: &Cluster) -> Result<()> {
         ],
         KUBECTL_TIMEOUT,
     )?;
-    let timeout = format!("--timeout={}s", ESTABLISHED_TIMEOUT.as_secs());
-    cluster.kubectl(
-        &["wait", "--for=condition=Established", &timeout, "-f", &dir],
-        ESTABLISHED_TIMEOUT + KUBECTL_TIMEOUT,
-    )?;
-    Ok(())
+    cluster.wait_established(&["-f", &dir], ESTABLISHED_TIMEOUT)
 }

@@ -1450,15 +1450,8 @@ async fn an_httproute_to_the_router_is_accepted_by_the_gateway_api_crd(
         ],
         kubectl_timeout,
     )?;
-    env.cluster.kubectl(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            &format!("crd/{HTTP_ROUTE_CRD}"),
-        ],
-        kubectl_timeout,
-    )?;
+    env.cluster
+        .wait_established(&[&format!("crd/{HTTP_ROUTE_CRD}")], Duration::from_secs(60))?;
     // The operator watches no HTTPRoutes (a cluster without the CRD would fail the
     // watch): a change to the InferenceService makes it look again, as a resync would.
     setup

@@ -365,16 +365,7 @@ fn install_prometheus_rule_crd(cluster: &Cluster) -> anyhow::Result<()> {
         ],
         KUBECTL_TIMEOUT,
     )?;
-    cluster.kubectl(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "-f",
-            &path,
-        ],
-        KUBECTL_TIMEOUT + Duration::from_secs(60),
-    )?;
+    cluster.wait_established(&["-f", &path], Duration::from_secs(60))?;
     Ok(())
 }
 
