@@ -1,4 +1,5 @@
-//! The compute subcommands of `slipway-engine`: `generate`, `score` and `bench`.
+//! The compute subcommands of `slipway-engine`: `generate`, `score`, `bench` and
+//! `ceilings`.
 //! Each loads the model onto the CPU backend and prints its result on stdout.
 
 use std::path::PathBuf;
@@ -9,10 +10,11 @@ use clap::Args;
 use slipway_engine::backend::ModelRunner as _;
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
 use slipway_engine::generate::{generate, perplexity, score};
+use slipway_engine::kernels::peak::{self, MacInstruction};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaWeights;
-use slipway_engine::model_bench::{self, BenchConfig};
+use slipway_engine::model_bench::{self, BenchConfig, TokenMacs};
 use slipway_engine::sampling::{Sampler, SamplingParams};
 use slipway_engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use slipway_engine::tokenizer::{EncodeOptions, Tokenizer};
@@ -244,7 +246,9 @@ pub struct BenchArgs {
     repetitions: usize,
 }
 
-/// Runs `bench`, printing one JSON object with tokens/s.
+/// Runs `bench`, printing one JSON object with tokens/s and the work per token
+/// (multiply-adds per prompt and per decoded token, bytes of weights per decoded
+/// token) that turns them into fractions of `ceilings`.
 ///
 /// # Errors
 /// Loading or forward errors.
@@ -266,6 +270,13 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
         1,
     )?;
     let report = model_bench::run(&mut runner, &config)?;
+    let macs = TokenMacs::of(&m.weights.config);
+    let tensors: Vec<(&str, u64)> = m
+        .file
+        .tensors()
+        .map(|t| (t.name.as_str(), t.size))
+        .collect();
+    let weight_bytes = model_bench::weight_bytes_per_token(&tensors, m.weights.config.vocab);
     let agg: serde_json::Map<String, serde_json::Value> = report
         .aggregate_tps
         .iter()
@@ -273,7 +284,78 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
         .collect();
     println!(
         "{}",
-        serde_json::json!({ "pp_tps": report.prompt_tps, "tg_tps": report.decode_tps, "aggregate_tps": agg })
+        serde_json::json!({
+            "pp_tps": report.prompt_tps,
+            "tg_tps": report.decode_tps,
+            "aggregate_tps": agg,
+            "macs_per_token": {
+                "prefill": macs.prefill_per_token(config.prompt_tokens),
+                "decode": macs.decode_per_token(),
+            },
+            "weight_bytes_per_token": weight_bytes,
+        })
+    );
+    Ok(())
+}
+
+/// `ceilings` options.
+#[derive(Debug, Args)]
+pub struct CeilingsArgs {
+    /// Thread counts to measure at (each a separate run, threads started together).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Timed runs per measurement (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    /// Seconds of multiply-adds per thread per timed run.
+    #[arg(long, default_value_t = 0.5)]
+    mac_seconds: f64,
+}
+
+/// Runs `ceilings`, printing one JSON object: the multiply-add instruction and the
+/// loads used, and per thread count the int8 multiply-adds/s and read bytes/s.
+///
+/// # Errors
+/// A non-positive or non-finite `--mac-seconds`.
+pub fn run_ceilings(args: &CeilingsArgs) -> anyhow::Result<()> {
+    let per_run = std::time::Duration::try_from_secs_f64(args.mac_seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--mac-seconds must be a positive number of seconds")?;
+    let instruction = MacInstruction::detect();
+    let mut macs = serde_json::Map::new();
+    for &t in &args.threads {
+        let rate = peak::mac_rate(instruction, t, per_run, args.repetitions)
+            .context("the detected multiply-add instruction does not run")?;
+        tracing::info!(
+            threads = t,
+            macs_per_s = rate.per_second,
+            checksum = rate.checksum,
+            "int8 multiply-adds"
+        );
+        macs.insert(t.to_string(), serde_json::json!(rate.per_second));
+    }
+    let buffer = peak::read_buffer(peak::read_buffer_words());
+    let mut reads = serde_json::Map::new();
+    for &t in &args.threads {
+        let rate = peak::read_rate(&buffer, t, args.repetitions);
+        tracing::info!(
+            threads = t,
+            bytes_per_s = rate.per_second,
+            checksum = rate.checksum,
+            "streaming read"
+        );
+        reads.insert(t.to_string(), serde_json::json!(rate.per_second));
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "mac_instruction": instruction.name(),
+            "macs_per_s": macs,
+            "read_loads": peak::read_loads(),
+            "read_buffer_bytes": std::mem::size_of_val(buffer.as_slice()),
+            "read_bytes_per_s": reads,
+        })
     );
     Ok(())
 }

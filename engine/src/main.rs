@@ -53,6 +53,9 @@ enum Command {
     Score(commands::ScoreArgs),
     /// Measure prompt processing, single-stream and aggregate decode tokens/s.
     Bench(commands::BenchArgs),
+    /// Measure this machine's ceilings: int8 multiply-adds/s and streaming read
+    /// bandwidth, per thread count (the denominators of `make bench-model`'s fractions).
+    Ceilings(commands::CeilingsArgs),
     /// `serve` and `fetch`: what the operator's pods run.
     #[command(flatten)]
     Pod(EngineCommand),
@@ -111,6 +114,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => commands::run_generate(&args),
         Command::Score(args) => commands::run_score(&args),
         Command::Bench(args) => commands::run_bench(&args),
+        Command::Ceilings(args) => commands::run_ceilings(&args),
         Command::Pod(EngineCommand::Serve(args)) => serve::run_serve(&args),
         Command::Pod(EngineCommand::Fetch(args)) => slipway_engine::fetch::run(&args)
             .map(drop)

@@ -9,12 +9,18 @@
 //! - aggregate decode: `parallel` sequences each prefilled with `batch_prompt`
 //!   tokens (untimed), then `gen_tokens` steps of one token per sequence, timed as
 //!   total generated tokens / time (batched-bench's S_TG).
+//!
+//! [`TokenMacs`] and [`weight_bytes_per_token`] are the work per token that turns
+//! these rates into fractions of the machine's ceilings (see
+//! [`crate::kernels::peak`]): multiply-adds for the compute-bound shapes, bytes of
+//! weights streamed for single-stream decode.
 
 use std::time::Instant;
 
 use crate::backend::{Batch, LogitsWanted, ModelRunner, SeqChunk};
 use crate::generate::GenerateError;
 use crate::kv::BlockAllocator;
+use crate::model::llama::LlamaConfig;
 use crate::sampling::argmax;
 
 /// What to measure.
@@ -206,4 +212,121 @@ pub fn run(
         decode_tps,
         aggregate_tps,
     })
+}
+
+/// Weight multiply-adds one token costs, from the model's shapes: the int8 matrix
+/// products only (attention's scores and weighted sums, which grow with the context
+/// and run in f32, are not counted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenMacs {
+    /// Q, K, V, output, gate, up and down projections of every layer.
+    pub layers: u64,
+    /// The output head (vocabulary × embedding), paid only by tokens whose logits are
+    /// computed.
+    pub head: u64,
+}
+
+impl TokenMacs {
+    /// Counts them for `c`.
+    #[must_use]
+    pub fn of(c: &LlamaConfig) -> Self {
+        let [dim, q, kv, ffn, vocab] = [
+            c.dim,
+            c.n_heads * c.head_dim,
+            c.n_kv_heads * c.head_dim,
+            c.ffn_dim,
+            c.vocab,
+        ]
+        .map(|n| n as u64);
+        let attention = dim * (q + 2 * kv) + q * dim;
+        let mlp = 3 * dim * ffn;
+        Self {
+            layers: c.n_layers as u64 * (attention + mlp),
+            head: vocab * dim,
+        }
+    }
+
+    /// Per token of one `prompt_tokens`-token prompt step, which computes logits for
+    /// its last token only (as the benchmark's prompt step and llama-bench's pp do).
+    #[must_use]
+    pub fn prefill_per_token(&self, prompt_tokens: usize) -> f64 {
+        self.layers as f64 + self.head as f64 / prompt_tokens.max(1) as f64
+    }
+
+    /// Per decoded token (every one computes its logits).
+    #[must_use]
+    pub fn decode_per_token(&self) -> u64 {
+        self.layers + self.head
+    }
+}
+
+/// Bytes of weights one single-stream decode step reads, from the model file's
+/// tensors `(name, bytes)`: every tensor in full, except that the token embedding is
+/// only looked up (one of its `vocab` rows) when the file has a separate
+/// `output.weight`; without one it is the output head and read in full.
+#[must_use]
+pub fn weight_bytes_per_token(tensors: &[(&str, u64)], vocab: usize) -> u64 {
+    let untied = tensors.iter().any(|&(name, _)| name == "output.weight");
+    tensors
+        .iter()
+        .map(|&(name, bytes)| {
+            if untied && name == "token_embd.weight" {
+                bytes / vocab.max(1) as u64
+            } else {
+                bytes
+            }
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_macs_match_a_hand_count() {
+        // 2 layers, dim 8, 2 query heads and 1 key/value head of 4, MLP 16, vocab 10.
+        let c = LlamaConfig {
+            n_layers: 2,
+            dim: 8,
+            ffn_dim: 16,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            vocab: 10,
+            ..LlamaConfig::default()
+        };
+        // Per layer: Q 8·8 + K 8·4 + V 8·4 + O 8·8 = 192; gate, up, down 3·8·16 = 384.
+        let m = TokenMacs::of(&c);
+        assert_eq!(
+            m,
+            TokenMacs {
+                layers: 2 * (192 + 384),
+                head: 80
+            }
+        );
+        assert_eq!(m.decode_per_token(), 1152 + 80);
+        assert!((m.prefill_per_token(4) - (1152.0 + 20.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn smollm2_135m_costs_about_135m_macs_per_decoded_token() {
+        let m = TokenMacs::of(&LlamaConfig::default());
+        // 30 · (576·(576 + 2·192) + 576·576 + 3·576·1536) + 49152·576.
+        assert_eq!(m.layers, 106_168_320);
+        assert_eq!(m.head, 28_311_552);
+        assert_eq!(m.decode_per_token(), 134_479_872);
+    }
+
+    #[test]
+    fn weight_bytes_count_the_embedding_only_when_it_is_the_head() {
+        let tied = [("token_embd.weight", 1000), ("blk.0.attn_q.weight", 50)];
+        assert_eq!(weight_bytes_per_token(&tied, 10), 1050);
+        let untied = [
+            ("token_embd.weight", 1000),
+            ("blk.0.attn_q.weight", 50),
+            ("output.weight", 900),
+        ];
+        assert_eq!(weight_bytes_per_token(&untied, 10), 100 + 50 + 900);
+    }
 }

@@ -14,6 +14,9 @@ mod avx2;
 mod avx512;
 pub mod ops;
 pub mod pack;
+pub mod peak;
+#[cfg(target_arch = "x86_64")]
+mod peak_x86;
 pub mod quant;
 mod scalar;
 #[cfg(test)]
