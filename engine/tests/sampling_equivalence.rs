@@ -24,11 +24,14 @@ use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::sampling::{Sampler, SamplingParams, SeqSampling};
-use slipway_engine::serving::block_manager::{BlockManagerConfig, CacheKey};
-use slipway_engine::serving::engine::{EngineConfig, Event, GenerateRequest, spawn};
-use slipway_engine::serving::scheduler::SchedulerConfig;
+use slipway_engine::serving::block_manager::CacheKey;
+use slipway_engine::serving::engine::{Event, GenerateRequest};
 use slipway_engine::testing::model_path;
 use slipway_engine::tokenizer::Tokenizer;
+
+#[path = "support/real_engine.rs"]
+mod real_engine;
+use real_engine::spawn_engine;
 
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -98,22 +101,7 @@ async fn sample_all() -> String {
         },
     )
     .expect("backend");
-    let geometry = runner.kv_geometry();
-    let config = EngineConfig {
-        scheduler: SchedulerConfig {
-            max_num_seqs: 16,
-            max_batched_tokens: 256,
-            max_model_len: 2048,
-            blocks: BlockManagerConfig {
-                num_blocks: geometry.num_blocks,
-                block_size: geometry.block_size,
-                enable_prefix_cache: true,
-            },
-        },
-        command_capacity: 64,
-        ..EngineConfig::default()
-    };
-    let (handle, _task) = spawn(Box::new(runner), config).expect("config");
+    let handle = spawn_engine(runner, 16);
     let mut streams = Vec::new();
     for (i, prompt) in PROMPTS.iter().enumerate() {
         for (name, sampling) in modes() {

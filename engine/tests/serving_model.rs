@@ -5,18 +5,18 @@
 
 use std::sync::Arc;
 
-use slipway_engine::backend::ModelRunner;
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::sampling::SamplingParams;
-use slipway_engine::serving::block_manager::{BlockManagerConfig, CacheKey};
-use slipway_engine::serving::engine::{
-    EngineConfig, EngineHandle, Event, GenerateRequest, RequestStream, spawn,
-};
-use slipway_engine::serving::scheduler::SchedulerConfig;
+use slipway_engine::serving::block_manager::CacheKey;
+use slipway_engine::serving::engine::{EngineHandle, Event, GenerateRequest, RequestStream};
 use slipway_engine::testing::model_path;
 use slipway_engine::tokenizer::Tokenizer;
+
+#[path = "support/real_engine.rs"]
+mod real_engine;
+use real_engine::spawn_engine;
 
 const BLOCKS: usize = 768;
 
@@ -36,22 +36,7 @@ fn engine(max_num_seqs: usize) -> (EngineHandle, Tokenizer) {
         },
     )
     .expect("backend");
-    let geometry = runner.kv_geometry();
-    let config = EngineConfig {
-        scheduler: SchedulerConfig {
-            max_num_seqs,
-            max_batched_tokens: 256,
-            max_model_len: 2048,
-            blocks: BlockManagerConfig {
-                num_blocks: geometry.num_blocks,
-                block_size: geometry.block_size,
-                enable_prefix_cache: true,
-            },
-        },
-        command_capacity: 64,
-        ..EngineConfig::default()
-    };
-    let (handle, _task) = spawn(Box::new(runner), config).expect("config");
+    let handle = spawn_engine(runner, max_num_seqs);
     (handle, tokenizer)
 }
 
