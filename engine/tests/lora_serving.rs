@@ -16,6 +16,8 @@ use slipway_engine::testing::{lora_adapter_path, model_path};
 use slipway_engine::tokenizer::Tokenizer;
 
 #[path = "support/real_engine.rs"]
+#[allow(dead_code)]
+// shared by several test binaries; this one loads the model itself, for its adapters
 mod real_engine;
 use real_engine::spawn_engine;
 

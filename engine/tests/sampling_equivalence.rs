@@ -14,15 +14,12 @@
 //! instructions (`make model`), never skips.
 
 use std::fmt::Write as _;
-use std::sync::Arc;
 
-use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
 use slipway_engine::backend::device::runner::{DeviceConfig, DeviceRunner};
 use slipway_engine::backend::device::{CpuDevice, Device};
 use slipway_engine::backend::{Batch, LogitsWanted, ModelRunner, SeqChunk};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
-use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::sampling::{Sampler, SamplingParams, SeqSampling};
 use slipway_engine::serving::block_manager::CacheKey;
 use slipway_engine::serving::engine::{Event, GenerateRequest};
@@ -31,7 +28,7 @@ use slipway_engine::tokenizer::Tokenizer;
 
 #[path = "support/real_engine.rs"]
 mod real_engine;
-use real_engine::spawn_engine;
+use real_engine::{cpu_runner, spawn_engine};
 
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -86,21 +83,7 @@ const PROMPTS: [&str; 3] = [
 /// Every (prompt, mode) request at once, so the steps batch sequences of different
 /// modes; one line per request: `prompt-index mode finish-reason: token ids`.
 async fn sample_all() -> String {
-    let path = model_path();
-    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let weights = Arc::new(
-        LlamaWeights::from_gguf(&file)
-            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display())),
-    );
-    let tokenizer = Tokenizer::from_metadata(file.metadata()).expect("tokenizer");
-    let runner = CpuBackend::new(
-        weights,
-        &CpuConfig {
-            num_blocks: 256,
-            ..CpuConfig::default()
-        },
-    )
-    .expect("backend");
+    let (runner, tokenizer) = cpu_runner(256);
     let handle = spawn_engine(runner, 16);
     let mut streams = Vec::new();
     for (i, prompt) in PROMPTS.iter().enumerate() {

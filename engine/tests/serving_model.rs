@@ -3,39 +3,19 @@
 //! under the same cache key. A missing model fails with instructions (`make model`),
 //! never skips.
 
-use std::sync::Arc;
-
-use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
-use slipway_engine::model::gguf::GgufFile;
-use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::sampling::SamplingParams;
 use slipway_engine::serving::block_manager::CacheKey;
 use slipway_engine::serving::engine::{EngineHandle, Event, GenerateRequest, RequestStream};
-use slipway_engine::testing::model_path;
 use slipway_engine::tokenizer::Tokenizer;
 
 #[path = "support/real_engine.rs"]
 mod real_engine;
-use real_engine::spawn_engine;
+use real_engine::{cpu_runner, spawn_engine};
 
 const BLOCKS: usize = 768;
 
 fn engine(max_num_seqs: usize) -> (EngineHandle, Tokenizer) {
-    let path = model_path();
-    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let weights = Arc::new(
-        LlamaWeights::from_gguf(&file)
-            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display())),
-    );
-    let tokenizer = Tokenizer::from_metadata(file.metadata()).expect("tokenizer");
-    let runner = CpuBackend::new(
-        weights,
-        &CpuConfig {
-            num_blocks: BLOCKS,
-            ..CpuConfig::default()
-        },
-    )
-    .expect("backend");
+    let (runner, tokenizer) = cpu_runner(BLOCKS);
     let handle = spawn_engine(runner, max_num_seqs);
     (handle, tokenizer)
 }
