@@ -87,7 +87,6 @@ struct Scratch {
     gate_up: Vec<f32>,
     ffn: Vec<f32>,
     acts: QuantActs,
-    mm: Vec<f32>,
 }
 
 /// The CPU backend: weights, KV store, thread pool, scratch buffers.
@@ -217,20 +216,19 @@ impl CpuBackend {
         x: &[f32],
         n: usize,
         sc_acts: &mut QuantActs,
-        mm: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let rows: usize = parts.iter().map(Linear::rows).sum();
         out.resize(n * rows, 0.0);
         if let [only] = parts {
-            only.forward(isa, x, n, sc_acts, mm, out)?;
+            only.forward(isa, x, n, sc_acts, out)?;
             return Ok(());
         }
         let mut r0 = 0;
         let mut part_out = Vec::new();
         for p in parts {
             part_out.resize(n * p.rows(), 0.0);
-            p.forward(isa, x, n, sc_acts, mm, &mut part_out)?;
+            p.forward(isa, x, n, sc_acts, &mut part_out)?;
             for (t, src) in part_out.chunks_exact(p.rows()).enumerate() {
                 out[t * rows + r0..t * rows + r0 + p.rows()].copy_from_slice(src);
             }
@@ -283,15 +281,7 @@ impl CpuBackend {
         );
         for (li, layer) in w.layers.iter().enumerate() {
             ops::rms_norm(&sc.x, &layer.attn_norm, c.norm_eps, &mut sc.h);
-            Self::run_linear(
-                isa,
-                &layer.qkv,
-                &sc.h,
-                n,
-                &mut sc.acts,
-                &mut sc.mm,
-                &mut sc.qkv,
-            )?;
+            Self::run_linear(isa, &layer.qkv, &sc.h, n, &mut sc.acts, &mut sc.qkv)?;
             Self::add_lora(
                 adapters,
                 &segments,
@@ -333,7 +323,6 @@ impl CpuBackend {
                 &sc.attn,
                 n,
                 &mut sc.acts,
-                &mut sc.mm,
                 &mut sc.proj,
             )?;
             Self::add_lora(
@@ -345,15 +334,7 @@ impl CpuBackend {
             );
             ops::add_in_place(&mut sc.x, &sc.proj);
             ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
-            Self::run_linear(
-                isa,
-                &layer.gate_up,
-                &sc.h,
-                n,
-                &mut sc.acts,
-                &mut sc.mm,
-                &mut sc.gate_up,
-            )?;
+            Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.gate_up)?;
             Self::add_lora(
                 adapters,
                 &segments,
@@ -368,7 +349,6 @@ impl CpuBackend {
                 &sc.ffn,
                 n,
                 &mut sc.acts,
-                &mut sc.mm,
                 &mut sc.proj,
             )?;
             Self::add_lora(
@@ -409,7 +389,6 @@ impl CpuBackend {
             &sc.h,
             m,
             &mut sc.acts,
-            &mut sc.mm,
             &mut data,
         )?;
         Ok(Logits {

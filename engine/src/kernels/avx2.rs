@@ -20,6 +20,8 @@ use std::arch::x86_64::{
     _mm256_storeu_ps, _mm256_xor_si256,
 };
 
+use std::ops::Range;
+
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
 
@@ -31,22 +33,24 @@ pub fn available() -> bool {
         && std::arch::is_x86_feature_detected!("f16c")
 }
 
-/// Computes row group `g` of `w` times every activation row of `x` into
-/// `out[t * GROUP + lane]`.
+/// Computes row group `g` of `w` times the activation rows `acts` of `x` into
+/// `out[(t - acts.start) * GROUP + lane]`.
 ///
 /// # Panics
 /// When the shapes disagree, or when called on a CPU without the features
 /// [`available`] checks.
-pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
+pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out: &mut [f32]) {
     assert!(available(), "AVX2 kernel called on a CPU without it");
-    assert!(x.cols == w.cols() && out.len() >= x.n * GROUP && g < w.groups());
+    assert!(x.cols == w.cols() && g < w.groups() && acts.end <= x.n);
+    assert!(out.len() >= acts.len() * GROUP);
     assert!(x.q.len() >= x.n * x.cols && x.d.len() >= x.n * w.nblocks());
     assert!(x.s.len() == x.d.len() && x.qsum.len() == x.d.len());
     let nibble = w.kind() == PackedKind::Nibble;
-    let mut t = 0;
-    while t < x.n {
-        let nt = (x.n - t).min(4);
-        let o = &mut out[t * GROUP..(t + nt) * GROUP];
+    let mut t = acts.start;
+    while t < acts.end {
+        let nt = (acts.end - t).min(4);
+        let i = t - acts.start;
+        let o = &mut out[i * GROUP..(i + nt) * GROUP];
         // SAFETY: the features were checked above; shapes (group in range, activation
         // rows t..t+nt within x, o holding nt*16 floats) were asserted above.
         unsafe {

@@ -2,21 +2,24 @@
 //! AVX-512 VNNI and the twin the SIMD kernel is tested against. It computes the same
 //! integer block sums and the same scale arithmetic, one lane at a time.
 
+use std::ops::Range;
+
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
 
-/// Computes row group `g` of `w` times every activation row of `x` into
-/// `out[t * GROUP + lane]`.
+/// Computes row group `g` of `w` times the activation rows `acts` of `x` into
+/// `out[(t - acts.start) * GROUP + lane]`.
 ///
 /// # Panics
 /// When the shapes disagree (an internal invariant of [`super::matmul`]).
-pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
-    assert!(x.cols == w.cols() && out.len() >= x.n * GROUP && g < w.groups());
+pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out: &mut [f32]) {
+    assert!(x.cols == w.cols() && g < w.groups() && acts.end <= x.n);
+    assert!(out.len() >= acts.len() * GROUP);
     let nb = w.nblocks();
     let stride = w.stride();
     let kind = w.kind();
     let gdata = &w.data()[g * w.group_bytes()..][..w.group_bytes()];
-    for t in 0..x.n {
+    for (i, t) in acts.enumerate() {
         for lane in 0..GROUP {
             let mut acc = 0f32;
             for b in 0..nb {
@@ -39,7 +42,7 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, out: &mut [f32]) {
                     }
                 }
             }
-            out[t * GROUP + lane] = acc;
+            out[i * GROUP + lane] = acc;
         }
     }
 }

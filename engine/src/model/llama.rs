@@ -201,13 +201,12 @@ impl Linear {
         x: &[f32],
         n: usize,
         acts: &mut QuantActs,
-        scratch: &mut Vec<f32>,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         match self {
             Self::Packed(m) => {
                 acts.quantize(x, n, m.cols())?;
-                kernels::matmul(isa, m, acts, scratch, out)
+                kernels::matmul(isa, m, acts, out)
             }
             Self::Dense { rows, cols, w } => {
                 if x.len() != n * cols || out.len() != n * rows {
