@@ -21,6 +21,7 @@
 
 pub mod backoff;
 pub mod fetch;
+pub mod group;
 pub mod labels;
 pub mod lora;
 pub mod metrics;
@@ -31,6 +32,7 @@ pub mod units;
 
 pub use backoff::Backoff;
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
+pub use group::{GroupArgs, GroupArgsError, HostPort};
 pub use lora::{LoraAdapter, LoraModule, NamedSha256};
 pub use router::{LoadReport, RoutePolicy, RouterArgs};
 #[cfg(feature = "fault-injection")]

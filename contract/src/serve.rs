@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::{Args, FromArgMatches as _, ValueEnum};
 
 use crate::fetch::Sha256Digest;
+use crate::group::GroupArgs;
 use crate::lora::{LoraAdapter, LoraArgsError, LoraModule, NamedSha256};
 use crate::telemetry::TelemetryArgs;
 #[cfg(feature = "fault-injection")]
@@ -191,6 +192,9 @@ pub struct ServeArgs {
     /// Logs and request traces.
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
+    /// This process's place in a tensor × pipeline group (default: the whole group).
+    #[command(flatten)]
+    pub group: GroupArgs,
     /// Test-only fault injection (`fault-injection` builds only).
     #[cfg(feature = "fault-injection")]
     #[command(flatten)]
@@ -290,6 +294,7 @@ impl ServeArgs {
             device,
             gpu,
             telemetry,
+            group,
             #[cfg(feature = "fault-injection")]
             faults,
         } = self;
@@ -372,6 +377,7 @@ impl ServeArgs {
             }
         }
         out.extend(telemetry.to_args());
+        out.extend(group.to_args());
         out
     }
 }

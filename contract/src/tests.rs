@@ -76,10 +76,67 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
             0..4,
         ),
     );
-    (identity, limits, memory, bundle, telemetry_args()).prop_map(
-        |(
-            (model, model_sha256, ip, port, served_model_name, release, kv_namespace),
-            (
+    (
+        identity,
+        limits,
+        memory,
+        bundle,
+        telemetry_args(),
+        group_args(),
+    )
+        .prop_map(
+            |(
+                (model, model_sha256, ip, port, served_model_name, release, kv_namespace),
+                (
+                    slo_ttft,
+                    slo_tpot,
+                    max_output_tokens,
+                    max_num_seqs,
+                    max_queue,
+                    max_queue_wait,
+                    max_batched_tokens,
+                ),
+                (
+                    kv_blocks,
+                    kv_memory,
+                    tenant_rate,
+                    tenant_burst,
+                    max_model_len,
+                    shutdown_timeout,
+                    threads,
+                    device,
+                    gpu,
+                ),
+                (tokenizer, chat_template, adapters),
+                telemetry,
+                group,
+            )| ServeArgs {
+                model: PathBuf::from(model),
+                model_sha256,
+                tokenizer_sha256: tokenizer.as_ref().and_then(|(_, sha)| *sha),
+                tokenizer: tokenizer.map(|(path, _)| PathBuf::from(path)),
+                chat_template,
+                lora: adapters
+                    .iter()
+                    .map(|(name, (path, _))| LoraModule {
+                        name: name.clone(),
+                        path: PathBuf::from(path),
+                    })
+                    .collect(),
+                lora_sha256: adapters
+                    .iter()
+                    .filter_map(|(name, (_, sha))| {
+                        sha.map(|sha256| NamedSha256 {
+                            name: name.clone(),
+                            sha256,
+                        })
+                    })
+                    .collect(),
+                host: IpAddr::from(ip),
+                port,
+                served_model_name,
+                release,
+                kv_namespace,
                 slo_ttft,
                 slo_tpot,
                 max_output_tokens,
@@ -87,79 +144,71 @@ fn serve_args() -> impl Strategy<Value = ServeArgs> {
                 max_queue,
                 max_queue_wait,
                 max_batched_tokens,
-            ),
-            (
-                kv_blocks,
+                // The two pool sizes exclude each other; the parser says so.
+                kv_blocks: kv_memory.is_none().then_some(kv_blocks).flatten(),
                 kv_memory,
+                // A burst needs a rate.
+                tenant_burst: tenant_rate.and(tenant_burst),
                 tenant_rate,
-                tenant_burst,
                 max_model_len,
                 shutdown_timeout,
                 threads,
                 device,
                 gpu,
-            ),
-            (tokenizer, chat_template, adapters),
-            telemetry,
-        )| ServeArgs {
-            model: PathBuf::from(model),
-            model_sha256,
-            tokenizer_sha256: tokenizer.as_ref().and_then(|(_, sha)| *sha),
-            tokenizer: tokenizer.map(|(path, _)| PathBuf::from(path)),
-            chat_template,
-            lora: adapters
-                .iter()
-                .map(|(name, (path, _))| LoraModule {
-                    name: name.clone(),
-                    path: PathBuf::from(path),
-                })
-                .collect(),
-            lora_sha256: adapters
-                .iter()
-                .filter_map(|(name, (_, sha))| {
-                    sha.map(|sha256| NamedSha256 {
-                        name: name.clone(),
-                        sha256,
-                    })
-                })
-                .collect(),
-            host: IpAddr::from(ip),
-            port,
-            served_model_name,
-            release,
-            kv_namespace,
-            slo_ttft,
-            slo_tpot,
-            max_output_tokens,
-            max_num_seqs,
-            max_queue,
-            max_queue_wait,
-            max_batched_tokens,
-            // The two pool sizes exclude each other; the parser says so.
-            kv_blocks: kv_memory.is_none().then_some(kv_blocks).flatten(),
-            kv_memory,
-            // A burst needs a rate.
-            tenant_burst: tenant_rate.and(tenant_burst),
-            tenant_rate,
-            max_model_len,
-            shutdown_timeout,
-            threads,
-            device,
-            gpu,
-            telemetry,
-            #[cfg(feature = "fault-injection")]
-            faults: FaultArgs {
-                inject_delay: Duration::from_millis(u64::from(port % 300)),
-                inject_error_rate: f64::from(port % 7) / 7.0,
-                inject_seed: u64::from(port),
+                telemetry,
+                group,
+                #[cfg(feature = "fault-injection")]
+                faults: FaultArgs {
+                    inject_delay: Duration::from_millis(u64::from(port % 300)),
+                    inject_error_rate: f64::from(port % 7) / 7.0,
+                    inject_seed: u64::from(port),
+                },
             },
-        },
-    )
+        )
 }
 
 fn log_args() -> impl Strategy<Value = LogArgs> {
     proptest::option::of(prop_oneof![Just(LogFormat::Text), Just(LogFormat::Json)])
         .prop_map(|log_format| LogArgs { log_format })
+}
+
+fn group_args() -> impl Strategy<Value = GroupArgs> {
+    // Any values the parser takes, valid groups or not: `validate` is a separate step.
+    (
+        1u32..64,
+        1u32..64,
+        0u32..4096,
+        proptest::option::of(prop_oneof![
+            ("[a-z][a-z0-9.-]{0,20}", 1u16..).prop_map(|(h, p)| format!("{h}:{p}")),
+            (any::<[u8; 4]>(), 1u16..).prop_map(|(ip, p)| format!("{}:{p}", Ipv4Addr::from(ip))),
+            (any::<[u8; 16]>(), 1u16..)
+                .prop_map(|(ip, p)| format!("[{}]:{p}", std::net::Ipv6Addr::from(ip))),
+        ]),
+        millis(),
+        millis(),
+    )
+        .prop_map(
+            |(
+                tensor_parallel,
+                pipeline_parallel,
+                rank,
+                leader,
+                rendezvous_timeout,
+                step_timeout,
+            )| {
+                GroupArgs {
+                    tensor_parallel,
+                    pipeline_parallel,
+                    rank,
+                    leader_address: leader.map(|a| match a.parse() {
+                        Ok(address) => address,
+                        Err(error) => panic!("the strategy made a bad address {a}: {error}"),
+                    }),
+                    rendezvous_timeout,
+                    step_timeout,
+                }
+            },
+        )
 }
 
 fn telemetry_args() -> impl Strategy<Value = TelemetryArgs> {
@@ -247,6 +296,57 @@ fn extra_args_override_and_unknown_flags_are_refused() {
         .with_extra_args(&["--shutdown-timeout-ms", "1m"])
         .expect_err("a CRD-style duration");
     assert!(error.to_string().contains("milliseconds"), "{error}");
+}
+
+#[test]
+fn group_flags_default_to_one_process_and_parse_a_worker_rank() {
+    let base = ServeArgs::for_model("/m.gguf").expect("defaults");
+    assert_eq!(base.group, GroupArgs::default());
+    assert!(
+        !base
+            .to_args()
+            .iter()
+            .any(|a| a.contains("parallel") || a.contains("rank"))
+    );
+    let worker = base
+        .with_extra_args(&[
+            "--tensor-parallel=3",
+            "--pipeline-parallel=2",
+            "--rank=4",
+            "--leader-address=m-g0-r0.m-g0.ns.svc:29500",
+            "--step-timeout-ms=5000",
+        ])
+        .expect("group flags");
+    assert_eq!(worker.group.world_size(), 6);
+    assert_eq!(worker.group.rank, 4);
+    assert_eq!(worker.group.step_timeout, Duration::from_secs(5));
+    assert_eq!(worker.group.validate(), Ok(()));
+    let error = base
+        .with_extra_args(&["--tensor-parallel=0"])
+        .expect_err("zero ranks");
+    assert!(error.to_string().contains("tensor-parallel"), "{error}");
+    let error = base
+        .with_extra_args(&["--leader-address=leader"])
+        .expect_err("no port");
+    assert!(error.to_string().contains("host:port"), "{error}");
+}
+
+#[test]
+fn help_explains_the_group_flags() {
+    let help = <ServeArgs as clap::Args>::augment_args(clap::Command::new("serve"))
+        .render_long_help()
+        .to_string();
+    for needle in [
+        "--tensor-parallel",
+        "--pipeline-parallel",
+        "--rank",
+        "--leader-address",
+        "--rendezvous-timeout-ms",
+        "--step-timeout-ms",
+        "stage × tensor + tensor_rank",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle}:\n{help}");
+    }
 }
 
 #[cfg(not(feature = "fault-injection"))]
