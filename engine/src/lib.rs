@@ -8,6 +8,8 @@
 //! - [`generate`]: single-sequence generation and scoring (CLI, oracle tests);
 //!   [`model_bench`]: `make bench-model`'s throughput shapes, beside llama.cpp's (the
 //!   load generator is the separate `slipway-bench` crate).
+//! - [`parallel`]: tensor × pipeline groups: the layout of a model over ranks and the
+//!   transport between them.
 //! - [`fetch`]: staging a model file (the pod's init container); `testing` (feature
 //!   `testing`, test builds only): helpers the tests of this and other crates share.
 
@@ -18,6 +20,7 @@ pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod model_bench;
+pub mod parallel;
 pub mod sampling;
 pub mod serving;
 pub mod template;
