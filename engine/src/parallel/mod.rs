@@ -1,15 +1,62 @@
 //! Parallel groups: one model served by `tensor × pipeline` ranks (processes, on one
-//! host or several pods) as one engine (issue #15).
+//! host or several pods) as one engine (issue #15). This module holds the parts that
+//! do not touch the forward pass; wiring them in is listed at the end.
 //!
 //! - [`layout`]: which layers, heads, MLP columns and vocab rows each rank holds,
 //!   computed from the model's shape alone. A `tensor` that does not divide the
 //!   model's heads is refused naming both numbers (SmolLM2-135M: 9 query and 3 KV
 //!   heads, so `tensor: 3` works and `tensor: 2` fails).
+//! - [`transport`]: the [`Transport`] trait (frames to and from a rank, all-reduce
+//!   sum over a set of ranks, every call tagged with a step id) and its errors, each
+//!   naming the rank to blame.
+//! - [`tcp`]: the TCP implementation for the CPU backend (rendezvous through the
+//!   leader, full mesh, gather-and-broadcast all-reduce). NCCL would implement the
+//!   same trait for CUDA, with device buffers as its tensors.
 //!
 //! Rank numbering, shared with the contract's `--rank`: `rank = stage × tensor +
 //! tensor_rank`. Rank 0 is the leader: it serves HTTP, admits requests and runs the
 //! scheduler; every other rank computes only.
+//!
+//! Frame format (see `wire`): a 24-byte header (magic `SLPW`, version 1, kind u8, two
+//! zero bytes, step id u64 LE, payload length u64 LE) then the payload; tensors are
+//! raw little-endian f32. One reusable buffer per direction per link; `TCP_NODELAY`.
+//!
+//! Topology: every rank connects to the leader's address and says its rank; the
+//! leader sends everyone the table of listening addresses; workers connect pairwise
+//! (each to every lower-ranked worker). Rendezvous is bounded by
+//! `--rendezvous-timeout-ms` and fails naming the ranks that did not join; every
+//! receive afterwards by `--step-timeout-ms`, failing naming the dead or silent peer.
+//! A failing rank tells its peers (an abort frame naming the rank it blames), so the
+//! whole group fails within about one step timeout, never hangs.
+//!
+//! Left to wire (the rest of #15):
+//! - The forward pass split by [`layout::RankLayout`]: each rank maps only its layers
+//!   and its shard of the heads and MLP columns (row-parallel output and down
+//!   projections, one all-reduce after each); stage 0 embeds, the last stage's tensor
+//!   ranks compute their vocab slice of the logits and send it to the leader. KV blocks
+//!   per stage hold only that stage's layers; block ids come from the leader.
+//! - The step protocol: the leader sends each step's batch (chunks, positions, block
+//!   tables) as a `Batch` frame to every rank, and an empty one at least every half
+//!   step timeout while idle, so a worker waiting for work can tell an idle leader
+//!   from a dead one.
+//! - `serve`: the scheduler, admission and HTTP on the leader only; workers run a
+//!   compute loop. Readiness: a worker is ready once the group formed; the leader once
+//!   the group formed and the model loaded. A transport error ends the leader's
+//!   in-flight requests with an explicit error and exits every process non-zero.
+//! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and
+//!   `--leader-address` per pod (and own them against `release.engine.args`); the
+//!   group's headless Service must publish not-ready addresses so workers can resolve
+//!   the leader before it is ready; the operator's pod rank is one process each, so a
+//!   pod holding several GPUs needs one rank per GPU.
 
 pub mod layout;
+pub mod tcp;
+pub mod transport;
+mod wire;
+
+#[cfg(test)]
+mod tcp_tests;
 
 pub use layout::{LayoutError, ModelShape, ParallelLayout, RankLayout};
+pub use tcp::{TcpConfig, TcpTransport};
+pub use transport::{FrameKind, Phase, Transport, TransportError};
