@@ -23,6 +23,7 @@ use slipway_engine::backend::{BackendOptions, select};
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaConfig;
 use slipway_engine::model::lora;
+use slipway_engine::parallel::{ModelShape, ParallelLayout};
 use slipway_engine::serving::admission::{Admission, AdmissionConfig, TenantRate};
 use slipway_engine::serving::block_manager::BlockManagerConfig;
 use slipway_engine::serving::engine::{EngineConfig, spawn_with_metrics};
@@ -58,11 +59,37 @@ fn blocks_in(bytes: u64, per_block: u64) -> anyhow::Result<usize> {
     Ok(blocks)
 }
 
+/// Refuses a group of more than one rank: with a clear message naming the model's
+/// numbers when the model cannot be split as asked, and otherwise because serving does
+/// not split the forward pass across ranks yet, rather than let every pod of a group
+/// serve the whole model alone.
+fn check_group(args: &ServeArgs, file: &GgufFile, config: &LlamaConfig) -> anyhow::Result<()> {
+    let group = &args.group;
+    if group.is_single_process() {
+        return Ok(());
+    }
+    let shape = ModelShape::from_tensors(config, file.tensors());
+    let layout = ParallelLayout::new(
+        &shape,
+        group.tensor_parallel as usize,
+        group.pipeline_parallel as usize,
+    )
+    .with_context(|| format!("splitting {} over the group", args.model.display()))?;
+    anyhow::bail!(
+        "--tensor-parallel {} × --pipeline-parallel {}: this model splits into {} ranks, but \
+serving does not run a forward pass across ranks yet (issue #15); run one process per replica",
+        group.tensor_parallel,
+        group.pipeline_parallel,
+        layout.world_size()
+    )
+}
+
 /// Runs the server until drained.
 ///
 /// # Errors
 /// A model that cannot load, a bad setting, or an address that cannot be bound.
 pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
+    args.group.validate()?;
     if let Some(expected) = &args.model_sha256 {
         let started = std::time::Instant::now();
         let bytes = slipway_engine::fetch::verify_file(&args.model, expected)?;
@@ -83,6 +110,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             .context("--chat-template")?;
     let model_config = LlamaConfig::from_gguf(&file)
         .with_context(|| format!("loading {}", args.model.display()))?;
+    check_group(args, &file, &model_config)?;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
             .file_stem()
