@@ -6,8 +6,9 @@
 //! decided outside it — by [`BlockAllocator`] here, and by the serving scheduler's
 //! block manager later — so allocation policy never touches the tensors.
 
+use half::f16;
+
 use crate::kernels::attention::KvLayout;
-use crate::kernels::quant::round_f16;
 
 /// Errors from the allocator.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -25,20 +26,22 @@ pub enum KvError {
     NotAllocated(u32),
 }
 
-/// Float storage for keys and values of every layer, in blocks.
+/// f16 storage for keys and values of every layer, in blocks (llama.cpp's default
+/// KV cache type: half the bytes of f32 for attention to read, twice the blocks in
+/// the same memory).
 #[derive(Debug)]
 pub struct KvCache {
     layers: usize,
     num_blocks: usize,
     layout: KvLayout,
-    data: Vec<f32>,
+    data: Vec<f16>,
 }
 
 impl KvCache {
     /// Zeroed storage for `num_blocks` blocks in each of `layers` layers.
     #[must_use]
     pub fn new(layers: usize, num_blocks: usize, layout: KvLayout) -> Self {
-        let data = vec![0f32; layers * num_blocks * layout.block_floats()];
+        let data = vec![f16::ZERO; layers * num_blocks * layout.block_elems()];
         Self {
             layers,
             num_blocks,
@@ -65,8 +68,14 @@ impl KvCache {
         self.layers
     }
 
-    fn layer_floats(&self) -> usize {
-        self.num_blocks * self.layout.block_floats()
+    /// Bytes of the whole store.
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        self.layers * self.num_blocks * self.layout.block_bytes()
+    }
+
+    fn layer_elems(&self) -> usize {
+        self.num_blocks * self.layout.block_elems()
     }
 
     /// All blocks of one layer.
@@ -74,8 +83,8 @@ impl KvCache {
     /// # Panics
     /// When `layer` is out of range.
     #[must_use]
-    pub fn layer(&self, layer: usize) -> &[f32] {
-        let n = self.layer_floats();
+    pub fn layer(&self, layer: usize) -> &[f16] {
+        let n = self.layer_elems();
         &self.data[layer * n..(layer + 1) * n]
     }
 
@@ -87,22 +96,22 @@ impl KvCache {
         let l = self.layout;
         assert!(slot < l.block_size && (block as usize) < self.num_blocks);
         assert!(k.len() == l.kv_heads * l.head_dim && v.len() == k.len());
-        let base = layer * self.layer_floats();
+        let base = layer * self.layer_elems();
         for h in 0..l.kv_heads {
             // Keys are stored transposed ([dim][slot]) so scoring a block is a
             // broadcast-multiply over slots; values row by row ([slot][dim]).
             let at = base + l.offset(block as usize, false, h) + slot;
-            // Values are rounded to f16, as llama.cpp's default f16 KV cache stores
-            // them, so our attention sees the numbers llama.cpp's does.
+            // Stored as f16, as llama.cpp's default KV cache stores them, so our
+            // attention sees the numbers llama.cpp's does.
             for (d, &kv) in k[h * l.head_dim..(h + 1) * l.head_dim].iter().enumerate() {
-                self.data[at + d * l.block_size] = round_f16(kv);
+                self.data[at + d * l.block_size] = f16::from_f32(kv);
             }
             let at = base + l.offset(block as usize, true, h) + slot * l.head_dim;
             for (o, &vv) in self.data[at..at + l.head_dim]
                 .iter_mut()
                 .zip(&v[h * l.head_dim..(h + 1) * l.head_dim])
             {
-                *o = round_f16(vv);
+                *o = f16::from_f32(vv);
             }
         }
     }
@@ -242,10 +251,12 @@ mod tests {
             &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
             &[7.0, 8.0, 9.0, 10.0, 11.0, 12.0],
         );
-        let l = kv.layer(1);
+        let l: Vec<f32> = kv.layer(1).iter().map(|v| v.to_f32()).collect();
         let k1 = layout.offset(2, false, 1);
         assert_eq!([l[k1 + 3], l[k1 + 4 + 3], l[k1 + 8 + 3]], [4.0, 5.0, 6.0]);
         assert_eq!(&l[layout.offset(2, true, 0) + 9..][..3], &[7.0, 8.0, 9.0]);
-        assert!(kv.layer(0).iter().all(|&v| v == 0.0));
+        assert!(kv.layer(0).iter().all(|&v| v == f16::ZERO));
+        assert_eq!(kv.bytes(), 2 * 3 * layout.block_bytes());
+        assert_eq!(layout.block_bytes(), 2 * 2 * 4 * 3 * 2);
     }
 }

@@ -20,6 +20,7 @@ use slipway_contract::ServeArgs;
 use slipway_engine::backend::cpu::CpuConfig;
 use slipway_engine::backend::device::runner::DeviceConfig;
 use slipway_engine::backend::{BackendOptions, select};
+use slipway_engine::kernels::attention::KvLayout;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaConfig;
 use slipway_engine::model::lora;
@@ -36,17 +37,16 @@ use slipway_engine::tokenizer::Tokenizer;
 /// KV blocks when neither `--kv-blocks` nor `--kv-memory` is given.
 const DEFAULT_KV_BLOCKS: usize = 2048;
 
-/// Bytes of one KV block on the CPU backend: keys and values (f32) of every layer
-/// and KV head for `block_size` positions.
+/// Bytes of one KV block: keys and values (f16 on both backends) of every layer and
+/// KV head for `block_size` positions.
 #[must_use]
 pub fn kv_block_bytes(c: &LlamaConfig, block_size: usize) -> u64 {
-    (c.n_layers * 2 * c.n_kv_heads * c.head_dim * block_size * std::mem::size_of::<f32>()) as u64
-}
-
-/// Bytes of one KV block on the CUDA backend: f16 keys and values.
-#[must_use]
-pub fn gpu_kv_block_bytes(c: &LlamaConfig, block_size: usize) -> u64 {
-    kv_block_bytes(c, block_size) / 2
+    let layout = KvLayout {
+        block_size,
+        kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+    };
+    (c.n_layers * layout.block_bytes()) as u64
 }
 
 /// How many blocks of `per_block` bytes fit in `bytes` (`--kv-memory`).
@@ -134,10 +134,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     // On the GPU, no size flag means "size the pool from free device memory".
     let gpu_blocks = match (args.kv_blocks, args.kv_memory) {
         (Some(b), _) => Some(b),
-        (None, Some(bytes)) => Some(blocks_in(
-            bytes,
-            gpu_kv_block_bytes(&model_config, block_size),
-        )?),
+        (None, Some(bytes)) => Some(blocks_in(bytes, kv_block_bytes(&model_config, block_size))?),
         (None, None) => None,
     };
     let cpu_blocks = match (args.kv_blocks, args.kv_memory) {
@@ -297,7 +294,7 @@ mod tests {
 
     #[test]
     fn kv_block_bytes_of_smollm2() {
-        // 30 layers × (K + V) × 3 KV heads × 64 dims × 16 positions × 4 bytes.
-        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16), 737_280);
+        // 30 layers × (K + V) × 3 KV heads × 64 dims × 16 positions × 2 bytes.
+        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16), 368_640);
     }
 }

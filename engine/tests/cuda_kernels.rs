@@ -382,8 +382,8 @@ fn rope_rotates_q_and_stores_kv<D: Device>(d: &D) {
         let layer = cpu_kv.layer(1);
         for h in 0..KV_HEADS {
             for dd in 0..HD {
-                let want_k = layer[layout.offset(blk, false, h) + dd * BS + off];
-                let want_v = layer[layout.offset(blk, true, h) + off * HD + dd];
+                let want_k = layer[layout.offset(blk, false, h) + dd * BS + off].to_f32();
+                let want_v = layer[layout.offset(blk, true, h) + off * HD + dd].to_f32();
                 let got_k = from_f16_bits(kc[p.at(blk, h, off) + dd]);
                 let got_v = from_f16_bits(vc[p.at(blk, h, off) + dd]);
                 assert!(

@@ -134,6 +134,7 @@ impl CpuBackend {
             ?isa,
             threads = pool.current_num_threads(),
             blocks = config.num_blocks,
+            kv_bytes = kv.bytes(),
             "CPU backend ready"
         );
         Ok(Self {

@@ -1,10 +1,13 @@
-//! Causal grouped-query attention of one query token over a paged KV store.
+//! Causal grouped-query attention of one query token over a paged f16 KV store.
 //!
 //! The query heads sharing one KV head are processed together so each cached key
-//! and value is read once per group. Keys are stored transposed per block, so a
-//! block's scores are `head_dim` broadcast multiply-adds over its slots (no
-//! horizontal sums). The inner loops are plain Rust the compiler vectorizes; on AVX-512 machines the same
+//! and value is read (and converted from f16) once per group. Keys are stored
+//! transposed per block, so a block's scores are `head_dim` broadcast multiply-adds
+//! over its slots (no horizontal sums). The inner loops are plain Rust the compiler vectorizes; on AVX-512 machines the same
 //! code is compiled again with those features enabled (see `avx512::attend`).
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 /// Geometry of one layer of the paged KV store: `[block][k|v][kv_head]`, then keys
 /// transposed as `[dim][slot]` and values as `[slot][dim]`.
@@ -19,16 +22,22 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// Floats of one block (keys and values of every head).
+    /// Elements of one block (keys and values of every head).
     #[must_use]
-    pub fn block_floats(&self) -> usize {
+    pub fn block_elems(&self) -> usize {
         2 * self.kv_heads * self.block_size * self.head_dim
+    }
+
+    /// Bytes of one block of one layer (elements are f16).
+    #[must_use]
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * std::mem::size_of::<f16>()
     }
 
     /// Offset of `(block, k_or_v, head)` within a layer.
     #[must_use]
     pub fn offset(&self, block: usize, v: bool, head: usize) -> usize {
-        block * self.block_floats()
+        block * self.block_elems()
             + (usize::from(v) * self.kv_heads + head) * self.block_size * self.head_dim
     }
 }
@@ -36,8 +45,8 @@ impl KvLayout {
 /// One attention problem: a query token of a group of heads.
 #[derive(Debug)]
 pub struct AttnQuery<'a> {
-    /// The layer's KV floats.
-    pub layer: &'a [f32],
+    /// The layer's KV elements.
+    pub layer: &'a [f16],
     /// Its geometry.
     pub layout: KvLayout,
     /// The sequence's block table.
@@ -100,14 +109,16 @@ fn attend_body<const BS: usize, const HD: usize>(
     // last block are computed from whatever the block holds and then ignored.
     let cap = nblk * bs;
     scratch.clear();
-    scratch.resize(group * hd + group * cap, 0.0);
-    let (qs, scores) = scratch.split_at_mut(group * hd);
+    scratch.resize(group * hd + group * cap + bs * hd, 0.0);
+    let (qs, rest) = scratch.split_at_mut(group * hd);
+    let (scores, block_f32) = rest.split_at_mut(group * cap);
     // llama.cpp converts Q to f16 to multiply it with its f16 keys.
     for (o, &v) in qs.iter_mut().zip(q) {
         *o = super::quant::round_f16(v) * scale;
     }
     for (bi, &block) in table[..nblk].iter().enumerate() {
-        let kt = &layer[layout.offset(block as usize, false, kv_head)..][..hd * bs];
+        let kt = &mut block_f32[..hd * bs];
+        layer[layout.offset(block as usize, false, kv_head)..][..hd * bs].convert_to_f32_slice(kt);
         for h in 0..group {
             let dst = &mut scores[h * cap + bi * bs..][..bs];
             if BS > 0 {
@@ -134,7 +145,8 @@ fn attend_body<const BS: usize, const HD: usize>(
     out.fill(0.0);
     for (bi, &block) in table[..nblk].iter().enumerate() {
         let n = bs.min(ctx - bi * bs);
-        let vb = &layer[layout.offset(block as usize, true, kv_head)..][..n * hd];
+        let vb = &mut block_f32[..n * hd];
+        layer[layout.offset(block as usize, true, kv_head)..][..n * hd].convert_to_f32_slice(vb);
         for (s, v) in vb.chunks_exact(hd).enumerate() {
             for h in 0..group {
                 axpy(
