@@ -173,3 +173,26 @@ pub fn attend(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, ou
 fn attend_avx2(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     super::attention::attend_impl(query, scores, out);
 }
+
+/// [`super::attention::attend_tile_impl`] compiled with AVX2 enabled.
+///
+/// # Panics
+/// When called on a CPU without the features [`available`] checks.
+pub fn attend_tile(
+    tile: &super::attention::AttnTile<'_>,
+    scratch: &mut super::attention::TileScratch,
+    out: &mut [f32],
+) {
+    assert!(available(), "AVX2 attention called on a CPU without it");
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { attend_tile_avx2(tile, scratch, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn attend_tile_avx2(
+    tile: &super::attention::AttnTile<'_>,
+    scratch: &mut super::attention::TileScratch,
+    out: &mut [f32],
+) {
+    super::attention::attend_tile_impl(tile, scratch, out);
+}
