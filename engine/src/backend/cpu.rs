@@ -2,11 +2,13 @@
 //! on a persistent rayon pool.
 //!
 //! All tokens of a step go through each matrix product together (one weight pass per
-//! step, however many sequences), then attention runs per (token, KV head) against
-//! the paged store. Within a layer every token's keys and values are stored before
-//! any attention, so a prefill chunk sees its own earlier tokens. Per-token results
-//! do not depend on what else is in the batch: the kernels compute each token's row
-//! with the same operations in the same order.
+//! step, however many sequences), then attention runs against the paged store in one
+//! parallel pass over (sequence, query tile, KV head): tiles of [`QUERY_TILE`] tokens
+//! for a prefill chunk, of one token for a decode. Within a layer every token's keys
+//! and values are stored before any attention, so a prefill chunk sees its own
+//! earlier tokens. Per-token results do not depend on what else is in the batch: the
+//! kernels compute each token's row with the same operations in the same order (an
+//! attention row's result does not depend on the other rows of its tile either).
 //!
 //! LoRA adapters ([`CpuBackend::with_adapters`]): after each base product, the rows
 //! of each adapter segment ([`Batch::adapter_segments`]) get that adapter's low-rank
@@ -19,7 +21,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::{BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner, Segment};
-use crate::kernels::attention::{AttnQuery, KvLayout, attend};
+use crate::kernels::attention::{AttnScratch, AttnTile, KvLayout, QUERY_TILE, attend};
 use crate::kernels::{Isa, QuantActs, ops};
 use crate::kv::KvCache;
 use crate::model::llama::{Linear, LlamaConfig, LlamaWeights};
@@ -83,6 +85,7 @@ struct Scratch {
     h: Vec<f32>,
     qkv: Vec<f32>,
     attn: Vec<f32>,
+    attn_tiles: Vec<f32>,
     proj: Vec<f32>,
     gate_up: Vec<f32>,
     ffn: Vec<f32>,
@@ -267,6 +270,8 @@ impl CpuBackend {
         }
         sc.h.resize(n * dim, 0.0);
         sc.attn.resize(n * dim, 0.0);
+        sc.attn_tiles.resize(n * dim, 0.0);
+        let tiles = attention_tiles(batch, c.n_kv_heads);
         sc.ffn.resize(n * c.ffn_dim, 0.0);
         let scale = 1.0 / (hd as f32).sqrt();
         let segments = batch.adapter_segments();
@@ -300,24 +305,40 @@ impl CpuBackend {
             }
             let kv_layer = self.kv.layer(li);
             let qkv = &sc.qkv;
-            let (pos, seq_of) = (&pos, &seq_of);
-            sc.attn
-                .par_chunks_mut(group * hd)
-                .enumerate()
-                .for_each_init(Vec::new, |scores, (i, out)| {
-                    let (t, kh) = (i / c.n_kv_heads, i % c.n_kv_heads);
-                    let q = &qkv[t * qkv_w + kh * group * hd..][..group * hd];
-                    let query = AttnQuery {
+            // Each tile's output is one contiguous run of `attn_tiles` (its tokens, each
+            // with the heads of its group): split off in task order, computed in one
+            // parallel pass, then copied to the tokens' rows.
+            let width = group * hd;
+            let mut rest = sc.attn_tiles.as_mut_slice();
+            let mut jobs = Vec::with_capacity(tiles.len());
+            for tile in &tiles {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(tile.tokens * width);
+                jobs.push((tile, mine));
+                rest = tail;
+            }
+            jobs.into_par_iter()
+                .for_each_init(AttnScratch::default, |scratch, (tile, out)| {
+                    let s = &batch.seqs[tile.seq];
+                    let t = AttnTile {
                         layer: kv_layer,
                         layout,
-                        table: &batch.seqs[seq_of[t]].block_table,
-                        pos: pos[t],
-                        kv_head: kh,
-                        q,
+                        table: &s.block_table,
+                        pos: s.start_pos + tile.first,
+                        tokens: tile.tokens,
+                        kv_head: tile.kv_head,
+                        group,
+                        q: &qkv[tile.token() * qkv_w + tile.kv_head * width..],
+                        q_stride: qkv_w,
                         scale,
                     };
-                    attend(&query, scores, out);
+                    attend(isa, &t, scratch, out);
                 });
+            let rows = tiles.iter().flat_map(|tile| {
+                (tile.token()..tile.token() + tile.tokens).map(|t| t * dim + tile.kv_head * width)
+            });
+            for (at, src) in rows.zip(sc.attn_tiles.chunks_exact(width)) {
+                sc.attn[at..at + width].copy_from_slice(src);
+            }
             Self::run_linear(
                 isa,
                 std::slice::from_ref(&layer.wo),
@@ -398,6 +419,47 @@ impl CpuBackend {
             spans,
         })
     }
+}
+
+/// One attention task of a step: `tokens` consecutive tokens, from `first`, of chunk
+/// `seq` (whose first token is row `row` of the step), for one KV head.
+struct Tile {
+    seq: usize,
+    row: usize,
+    first: usize,
+    tokens: usize,
+    kv_head: usize,
+}
+
+impl Tile {
+    /// Row of the tile's first token in the step.
+    fn token(&self) -> usize {
+        self.row + self.first
+    }
+}
+
+/// The attention tasks of a step, the same for every layer: each chunk in tiles of
+/// [`QUERY_TILE`] tokens (a decode step is a tile of one) for each KV head, so a
+/// prefill and a batch of decodes are both one parallel pass.
+fn attention_tiles(batch: &Batch, kv_heads: usize) -> Vec<Tile> {
+    let mut tiles = Vec::new();
+    let mut row = 0;
+    for (seq, s) in batch.seqs.iter().enumerate() {
+        let len = s.tokens.len();
+        for first in (0..len).step_by(QUERY_TILE) {
+            for kv_head in 0..kv_heads {
+                tiles.push(Tile {
+                    seq,
+                    row,
+                    first,
+                    tokens: QUERY_TILE.min(len - first),
+                    kv_head,
+                });
+            }
+        }
+        row += len;
+    }
+    tiles
 }
 
 impl ModelRunner for CpuBackend {

@@ -1,13 +1,21 @@
-//! Causal grouped-query attention of one query token over a paged f16 KV store.
+//! Causal grouped-query attention over a paged f16 KV store, flash-attention style
+//! (online softmax: Milakov & Gimelshein, 2018; tiling: Dao et al., FlashAttention,
+//! 2022).
 //!
-//! The query heads sharing one KV head are processed together so each cached key
-//! and value is read (and converted from f16) once per group. Keys are stored
-//! transposed per block, so a block's scores are `head_dim` broadcast multiply-adds
-//! over its slots (no horizontal sums). The inner loops are plain Rust the compiler vectorizes; on AVX-512 machines the same
-//! code is compiled again with those features enabled (see `avx512::attend`).
+//! The unit of work is a tile: consecutive query tokens of one sequence and the query
+//! heads sharing one KV head. The tile walks the sequence's blocks once; each key and
+//! value block is converted from f16 once for all the tile's rows, and every row
+//! keeps a running maximum and sum of its softmax, rescaling its output when the
+//! maximum grows. Keys are stored transposed per block, so a block's scores are
+//! `head_dim` broadcast multiply-adds over its slots (no horizontal sums), four rows
+//! at a time so each key row loaded serves four. A prefill chunk is cut into tiles of
+//! [`QUERY_TILE`] tokens; a decode step is a tile of one.
 //!
-//! [`attend_tile`] does a tile of consecutive query tokens at once, flash-attention
-//! style, converting each f16 block once per tile instead of once per token.
+//! The loops are plain Rust the compiler vectorizes, compiled again with AVX2 or
+//! AVX-512 enabled (`avx2::attend`, `avx512::attend`). Invariant: every path does the
+//! same operations in the same order (no fused multiply-adds, fixed reduction trees),
+//! so the result does not depend on the instruction set, nor on which other rows
+//! share a row's tile.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -45,25 +53,6 @@ impl KvLayout {
     }
 }
 
-/// One attention problem: a query token of a group of heads.
-#[derive(Debug)]
-pub struct AttnQuery<'a> {
-    /// The layer's KV elements.
-    pub layer: &'a [f16],
-    /// Its geometry.
-    pub layout: KvLayout,
-    /// The sequence's block table.
-    pub table: &'a [u32],
-    /// Position of the query token; it attends to positions `0..=pos`.
-    pub pos: usize,
-    /// KV head index.
-    pub kv_head: usize,
-    /// Query vectors of the heads sharing `kv_head`, `group * head_dim`.
-    pub q: &'a [f32],
-    /// `1 / sqrt(head_dim)`.
-    pub scale: f32,
-}
-
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
@@ -71,109 +60,7 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// Computes the attention output of every query head in `query.q` into `out`
-/// (same shape), using `scores` as scratch.
-///
-/// # Panics
-/// When the block table does not cover `pos` or a block lies outside `layer`.
-#[inline(always)]
-pub fn attend_impl(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    // The common geometry gets constant trip counts, so the inner loops become
-    // straight-line vector code.
-    match (query.layout.block_size, query.layout.head_dim) {
-        (16, 64) => attend_body::<16, 64>(query, scores, out),
-        _ => attend_body::<0, 0>(query, scores, out),
-    }
-}
-
-/// The attention body; `BS`/`HD` are the block size and head size when known at
-/// compile time, 0 when taken from the layout.
-#[inline(always)]
-fn attend_body<const BS: usize, const HD: usize>(
-    query: &AttnQuery<'_>,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let AttnQuery {
-        layer,
-        layout,
-        table,
-        pos,
-        kv_head,
-        q,
-        scale,
-    } = *query;
-    let bs = if BS == 0 { layout.block_size } else { BS };
-    let hd = if HD == 0 { layout.head_dim } else { HD };
-    let group = q.len() / hd;
-    let ctx = pos + 1;
-    let nblk = ctx.div_ceil(bs);
-    // Scores are laid out in whole blocks (`cap` per head); slots past `pos` in the
-    // last block are computed from whatever the block holds and then ignored.
-    let cap = nblk * bs;
-    scratch.clear();
-    scratch.resize(group * hd + group * cap + bs * hd, 0.0);
-    let (qs, rest) = scratch.split_at_mut(group * hd);
-    let (scores, block_f32) = rest.split_at_mut(group * cap);
-    // llama.cpp converts Q to f16 to multiply it with its f16 keys.
-    for (o, &v) in qs.iter_mut().zip(q) {
-        *o = super::quant::round_f16(v) * scale;
-    }
-    for (bi, &block) in table[..nblk].iter().enumerate() {
-        let kt = &mut block_f32[..hd * bs];
-        layer[layout.offset(block as usize, false, kv_head)..][..hd * bs].convert_to_f32_slice(kt);
-        for h in 0..group {
-            let dst = &mut scores[h * cap + bi * bs..][..bs];
-            if BS > 0 {
-                // A local fixed-size accumulator stays in one vector register.
-                let mut acc = [0f32; BS];
-                for (row, &qd) in kt.chunks_exact(BS).zip(&qs[h * hd..(h + 1) * hd]) {
-                    for s in 0..BS {
-                        acc[s] += qd * row[s];
-                    }
-                }
-                dst.copy_from_slice(&acc);
-            } else {
-                for (row, &qd) in kt.chunks_exact(bs).zip(&qs[h * hd..(h + 1) * hd]) {
-                    for (a, k) in dst.iter_mut().zip(row) {
-                        *a += qd * k;
-                    }
-                }
-            }
-        }
-    }
-    for h in 0..group {
-        super::ops::softmax_in_place(&mut scores[h * cap..h * cap + ctx]);
-    }
-    out.fill(0.0);
-    for (bi, &block) in table[..nblk].iter().enumerate() {
-        let n = bs.min(ctx - bi * bs);
-        let vb = &mut block_f32[..n * hd];
-        layer[layout.offset(block as usize, true, kv_head)..][..n * hd].convert_to_f32_slice(vb);
-        for (s, v) in vb.chunks_exact(hd).enumerate() {
-            for h in 0..group {
-                axpy(
-                    &mut out[h * hd..(h + 1) * hd],
-                    scores[h * cap + bi * bs + s],
-                    v,
-                );
-            }
-        }
-    }
-}
-
-/// [`attend_impl`] compiled for the best instruction set available.
-pub fn attend(query: &AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match super::Isa::detect() {
-        super::Isa::Avx512Vnni => return super::avx512::attend(query, scores, out),
-        super::Isa::Avx2 => return super::avx2::attend(query, scores, out),
-        super::Isa::Scalar => {}
-    }
-    attend_impl(query, scores, out);
-}
-
-/// Query tokens per tile of [`attend_tile`] in a prefill chunk: enough rows (times
+/// Query tokens per tile of [`attend`] in a prefill chunk: enough rows (times
 /// the group) to amortise each block's f16 conversion, few enough that the tile's
 /// queries and accumulators stay in L1 next to the converted block.
 pub const QUERY_TILE: usize = 16;
@@ -204,9 +91,9 @@ pub struct AttnTile<'a> {
     pub scale: f32,
 }
 
-/// Reusable buffers of [`attend_tile`] (one per worker).
+/// Reusable buffers of [`attend`] (one per worker).
 #[derive(Debug, Default)]
-pub struct TileScratch {
+pub struct AttnScratch {
     q16: Vec<f16>,
     q: Vec<f32>,
     k: Vec<f32>,
@@ -221,22 +108,13 @@ pub struct TileScratch {
 const ROWS: usize = 4;
 
 /// Computes every query row of `tile` into `out` (`tokens * group * head_dim`, token
-/// by token, head by head), flash-attention style (online softmax: Milakov &
-/// Gimelshein, 2018; tiling: Dao et al., FlashAttention, 2022): the tile walks the
-/// sequence's blocks once, converting each key and value block from f16 once for all
-/// its rows (instead of once per query token, as [`attend_impl`] does), scores four
-/// rows at a time so each key row loaded serves four, and keeps per row a running
-/// maximum and sum of the softmax, rescaling its output when the maximum grows.
-///
-/// Every instruction set does the same operations in the same order (no fused
-/// multiply-adds, fixed reduction trees), so the result does not depend on the
-/// instruction set, nor on which other rows share a row's tile.
+/// by token, head by head), as the module describes.
 ///
 /// # Panics
 /// When the block table does not cover the last token, a block lies outside `layer`,
 /// or `q`/`out` are too short.
 #[inline(always)]
-pub fn attend_tile_impl(tile: &AttnTile<'_>, scratch: &mut TileScratch, out: &mut [f32]) {
+pub fn attend_impl(tile: &AttnTile<'_>, scratch: &mut AttnScratch, out: &mut [f32]) {
     match (tile.layout.block_size, tile.layout.head_dim) {
         (16, 64) => tile_body::<16, 64>(tile, scratch, out),
         _ => tile_body::<0, 0>(tile, scratch, out),
@@ -246,7 +124,7 @@ pub fn attend_tile_impl(tile: &AttnTile<'_>, scratch: &mut TileScratch, out: &mu
 #[inline(always)]
 fn tile_body<const BS: usize, const HD: usize>(
     tile: &AttnTile<'_>,
-    scratch: &mut TileScratch,
+    scratch: &mut AttnScratch,
     out: &mut [f32],
 ) {
     let AttnTile {
@@ -265,7 +143,7 @@ fn tile_body<const BS: usize, const HD: usize>(
     let hd = if HD == 0 { layout.head_dim } else { HD };
     let rows = tokens * group;
     let out = &mut out[..rows * hd];
-    let TileScratch {
+    let AttnScratch {
         q16,
         q: qs,
         k,
@@ -304,13 +182,13 @@ fn tile_body<const BS: usize, const HD: usize>(
         let mut r = start.saturating_sub(pos) * group;
         while r < rows {
             let nr = ROWS.min(rows - r);
-            if nr == ROWS {
-                score_rows::<BS, HD, ROWS>(&qs[r * hd..], k, (bs, hd), scores);
-            } else {
-                for j in 0..nr {
-                    let dst = &mut scores[j * bs..];
-                    score_rows::<BS, HD, 1>(&qs[(r + j) * hd..], k, (bs, hd), dst);
-                }
+            let q = &qs[r * hd..];
+            // A decode's group of 3 heads is one pass of 3 rows, not three of one.
+            match nr {
+                ROWS => score_rows::<BS, HD, ROWS>(q, k, (bs, hd), scores),
+                3 => score_rows::<BS, HD, 3>(q, k, (bs, hd), scores),
+                2 => score_rows::<BS, HD, 2>(q, k, (bs, hd), scores),
+                _ => score_rows::<BS, HD, 1>(q, k, (bs, hd), scores),
             }
             for j in 0..nr {
                 let row = r + j;
@@ -442,23 +320,18 @@ pub fn softmax_exp(x: f32) -> f32 {
     if x > -87.0 { scaled } else { 0.0 }
 }
 
-/// [`attend_tile_impl`] compiled for `isa` (the plain Rust for
+/// [`attend_impl`] compiled for `isa` (the plain Rust for
 /// [`super::Isa::Scalar`]).
 ///
 /// # Panics
 /// As [`attend_tile_impl`]; and when `isa` is not available on this CPU.
-pub fn attend_tile(
-    isa: super::Isa,
-    tile: &AttnTile<'_>,
-    scratch: &mut TileScratch,
-    out: &mut [f32],
-) {
+pub fn attend(isa: super::Isa, tile: &AttnTile<'_>, scratch: &mut AttnScratch, out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx512Vnni => super::avx512::attend_tile(tile, scratch, out),
+        super::Isa::Avx512Vnni => super::avx512::attend(tile, scratch, out),
         #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx2 => super::avx2::attend_tile(tile, scratch, out),
-        _ => attend_tile_impl(tile, scratch, out),
+        super::Isa::Avx2 => super::avx2::attend(tile, scratch, out),
+        _ => attend_impl(tile, scratch, out),
     }
 }
 

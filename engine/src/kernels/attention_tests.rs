@@ -126,7 +126,7 @@ impl Case {
 
     fn run(&self, isa: Isa) -> Vec<f32> {
         let mut out = vec![f32::NAN; self.tokens * self.group * self.layout.head_dim];
-        attend_tile(isa, &self.tile(), &mut TileScratch::default(), &mut out);
+        attend(isa, &self.tile(), &mut AttnScratch::default(), &mut out);
         out
     }
 }
@@ -239,7 +239,7 @@ fn a_tile_equals_its_tokens_one_at_a_time() {
             ..t
         };
         let mut out = vec![0f32; width];
-        attend_tile(Isa::detect(), &one, &mut TileScratch::default(), &mut out);
+        attend(Isa::detect(), &one, &mut AttnScratch::default(), &mut out);
         assert_eq!(out, whole[i * width..(i + 1) * width], "token {i}");
     }
 }

@@ -159,40 +159,25 @@ unsafe fn tile<const NIBBLE: bool>(
     }
 }
 
-/// [`super::attention::attend_impl`] compiled with AVX2 and FMA enabled.
+/// [`super::attention::attend_impl`] compiled with AVX2 enabled.
 ///
 /// # Panics
 /// When called on a CPU without the features [`available`] checks.
-pub fn attend(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    assert!(available(), "AVX2 attention called on a CPU without it");
-    // SAFETY: the features the function is compiled for were checked just above.
-    unsafe { attend_avx2(query, scores, out) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn attend_avx2(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    super::attention::attend_impl(query, scores, out);
-}
-
-/// [`super::attention::attend_tile_impl`] compiled with AVX2 enabled.
-///
-/// # Panics
-/// When called on a CPU without the features [`available`] checks.
-pub fn attend_tile(
+pub fn attend(
     tile: &super::attention::AttnTile<'_>,
-    scratch: &mut super::attention::TileScratch,
+    scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
     assert!(available(), "AVX2 attention called on a CPU without it");
     // SAFETY: the features the function is compiled for were checked just above.
-    unsafe { attend_tile_avx2(tile, scratch, out) }
+    unsafe { attend_avx2(tile, scratch, out) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn attend_tile_avx2(
+fn attend_avx2(
     tile: &super::attention::AttnTile<'_>,
-    scratch: &mut super::attention::TileScratch,
+    scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
-    super::attention::attend_tile_impl(tile, scratch, out);
+    super::attention::attend_impl(tile, scratch, out);
 }

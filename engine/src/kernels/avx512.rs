@@ -145,36 +145,21 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(
 ///
 /// # Panics
 /// When called on a CPU without the features [`available`] checks.
-pub fn attend(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    assert!(available(), "AVX-512 attention called on a CPU without it");
-    // SAFETY: the features the function is compiled for were checked just above.
-    unsafe { attend_avx512(query, scores, out) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
-fn attend_avx512(query: &super::attention::AttnQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    super::attention::attend_impl(query, scores, out);
-}
-
-/// [`super::attention::attend_tile_impl`] compiled with AVX-512 enabled.
-///
-/// # Panics
-/// When called on a CPU without the features [`available`] checks.
-pub fn attend_tile(
+pub fn attend(
     tile: &super::attention::AttnTile<'_>,
-    scratch: &mut super::attention::TileScratch,
+    scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
     assert!(available(), "AVX-512 attention called on a CPU without it");
     // SAFETY: the features the function is compiled for were checked just above.
-    unsafe { attend_tile_avx512(tile, scratch, out) }
+    unsafe { attend_avx512(tile, scratch, out) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
-fn attend_tile_avx512(
+fn attend_avx512(
     tile: &super::attention::AttnTile<'_>,
-    scratch: &mut super::attention::TileScratch,
+    scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
-    super::attention::attend_tile_impl(tile, scratch, out);
+    super::attention::attend_impl(tile, scratch, out);
 }
