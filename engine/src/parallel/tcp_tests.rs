@@ -6,6 +6,7 @@
 use std::io::BufRead as _;
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
@@ -341,16 +342,22 @@ fn a_silent_peer_fails_the_others_within_the_step_timeout_naming_it() {
 
 #[test]
 fn a_frame_other_than_expected_is_a_protocol_error_naming_the_sender() {
-    let results = run_group(2, &[0, 1], long, |t| {
+    // The sender keeps its connections open until the receiver has judged the frame:
+    // closing a socket with unread data resets it, and the receiver would then see a
+    // reset instead of the frame (this failed once under load).
+    let judged = Arc::new(Barrier::new(2));
+    let results = run_group(2, &[0, 1], long, move |t| {
         let mut t = joined(t);
         if t.rank() == 0 {
             t.send_bytes(1, 7, FrameKind::Batch, b"step 7")
                 .expect("send");
             t.send_tensor(1, 8, FrameKind::Hidden, &[1.0, 2.0])
                 .expect("send");
+            judged.wait();
             return None;
         }
         let wrong_step = t.recv_bytes(0, 6, FrameKind::Batch).map(|_| ()).err();
+        judged.wait();
         Some(wrong_step)
     });
     let error = results[1].clone().flatten().expect("rank 1 refused step 7");
@@ -360,15 +367,19 @@ fn a_frame_other_than_expected_is_a_protocol_error_naming_the_sender() {
         "{error}"
     );
 
-    let results = run_group(2, &[0, 1], long, |t| {
+    let judged = Arc::new(Barrier::new(2));
+    let results = run_group(2, &[0, 1], long, move |t| {
         let mut t = joined(t);
         if t.rank() == 0 {
             t.send_tensor(1, 1, FrameKind::Hidden, &[1.0, 2.0])
                 .expect("send");
+            judged.wait();
             return None;
         }
         let mut three = [0f32; 3];
-        t.recv_tensor(0, 1, FrameKind::Hidden, &mut three).err()
+        let wrong_size = t.recv_tensor(0, 1, FrameKind::Hidden, &mut three).err();
+        judged.wait();
+        wrong_size
     });
     let error = results[1].clone().expect("rank 1 refused the size");
     assert!(
