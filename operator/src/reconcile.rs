@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::{BoxFuture, FutureExt as _, Shared};
 use futures::{StreamExt, future, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
@@ -85,19 +86,85 @@ pub struct Caches {
     pub roles: Store<PartialObjectMeta<Role>>,
     pub role_bindings: Store<PartialObjectMeta<RoleBinding>>,
     pub disruption_budgets: Store<PartialObjectMeta<PodDisruptionBudget>>,
+    /// Resolves once every store above has had its first list, with the name of the
+    /// first one whose watch is gone otherwise. It is one future shared by every
+    /// reconcile because `Store::wait_until_ready` wakes only the last of several
+    /// concurrent waiters (its readiness is a oneshot receiver, which keeps one
+    /// waker), and the controller polls its reconciles concurrently in one task: two
+    /// InferenceServices reconciled at start-up left one asleep for good.
+    ready: Shared<BoxFuture<'static, Result<(), &'static str>>>,
 }
 
 impl Caches {
+    pub fn new(
+        nodes: Store<Node>,
+        deployments: Store<PartialObjectMeta<Deployment>>,
+        service_accounts: Store<PartialObjectMeta<ServiceAccount>>,
+        roles: Store<PartialObjectMeta<Role>>,
+        role_bindings: Store<PartialObjectMeta<RoleBinding>>,
+        disruption_budgets: Store<PartialObjectMeta<PodDisruptionBudget>>,
+    ) -> Self {
+        let ready = {
+            let (nodes, deployments, service_accounts, roles, role_bindings, disruption_budgets) = (
+                nodes.clone(),
+                deployments.clone(),
+                service_accounts.clone(),
+                roles.clone(),
+                role_bindings.clone(),
+                disruption_budgets.clone(),
+            );
+            async move {
+                nodes.wait_until_ready().await.map_err(|_| "nodes")?;
+                deployments
+                    .wait_until_ready()
+                    .await
+                    .map_err(|_| "deployments")?;
+                service_accounts
+                    .wait_until_ready()
+                    .await
+                    .map_err(|_| "serviceaccounts")?;
+                roles.wait_until_ready().await.map_err(|_| "roles")?;
+                role_bindings
+                    .wait_until_ready()
+                    .await
+                    .map_err(|_| "rolebindings")?;
+                disruption_budgets
+                    .wait_until_ready()
+                    .await
+                    .map_err(|_| "poddisruptionbudgets")
+            }
+            .boxed()
+            .shared()
+        };
+        Self {
+            nodes,
+            deployments,
+            service_accounts,
+            roles,
+            role_bindings,
+            disruption_budgets,
+            ready,
+        }
+    }
+
     /// Empty stores that no watch fills (until [`run`] replaces them).
     fn unfilled() -> Self {
-        Self {
-            nodes: reflector::store().0,
-            deployments: reflector::store().0,
-            service_accounts: reflector::store().0,
-            roles: reflector::store().0,
-            role_bindings: reflector::store().0,
-            disruption_budgets: reflector::store().0,
-        }
+        Self::new(
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+        )
+    }
+
+    /// Waits until every store has had its first list; any number of callers at once.
+    ///
+    /// # Errors
+    /// [`Error::Cache`] naming a store whose watch ended before its first list.
+    pub async fn wait_until_ready(&self) -> Result<(), Error> {
+        self.ready.clone().await.map_err(Error::Cache)
     }
 }
 
@@ -163,14 +230,14 @@ pub async fn run(
     let (disruption_budgets, disruption_budget_names) =
         names_watch::<PodDisruptionBudget>(&client, namespace);
     let ctx = Arc::new(Context {
-        caches: Caches {
-            nodes: node_cache,
+        caches: Caches::new(
+            node_cache,
             deployments,
             service_accounts,
             roles,
             role_bindings,
             disruption_budgets,
-        },
+        ),
         ..ctx
     });
     let pods = watcher::watcher(scoped::<Pod>(&client, namespace), owned())
@@ -633,12 +700,12 @@ fn error_policy(isvc: Arc<InferenceService>, error: &Error, _ctx: Arc<Context>) 
     Action::requeue(ERROR_REQUEUE)
 }
 
-/// Reads the children and endpoints of one InferenceService, and the nodes from the
-/// node cache (waiting for its first list).
+/// Reads the pods, Services and endpoints of one InferenceService, and the nodes and
+/// labelled children from the caches (waiting for their first list).
 ///
 /// # Errors
-/// [`Error::Observe`] when a list fails; [`Error::Cache`] when the node cache can
-/// never fill (its watch is gone).
+/// [`Error::Observe`] when a list fails; [`Error::Cache`] when a cache can never
+/// fill (its watch is gone).
 pub async fn observe(
     client: &Client,
     caches: &Caches,
@@ -660,11 +727,7 @@ pub async fn observe(
             what: "services",
             source,
         })?;
-    caches
-        .nodes
-        .wait_until_ready()
-        .await
-        .map_err(|_| Error::Cache("nodes"))?;
+    caches.wait_until_ready().await?;
 
     let mut observed = Observed::default();
     observed::sort_pods(&pods.items, &mut observed);
@@ -727,47 +790,23 @@ pub async fn observe(
     observed.labelled = BTreeMap::from([
         (
             LabelledKind::Deployment,
-            cached_names(
-                &caches.deployments,
-                namespace,
-                &selector_labels,
-                "deployments",
-            )
-            .await?,
+            cached_names(&caches.deployments, namespace, &selector_labels),
         ),
         (
             LabelledKind::ServiceAccount,
-            cached_names(
-                &caches.service_accounts,
-                namespace,
-                &selector_labels,
-                "serviceaccounts",
-            )
-            .await?,
+            cached_names(&caches.service_accounts, namespace, &selector_labels),
         ),
         (
             LabelledKind::Role,
-            cached_names(&caches.roles, namespace, &selector_labels, "roles").await?,
+            cached_names(&caches.roles, namespace, &selector_labels),
         ),
         (
             LabelledKind::RoleBinding,
-            cached_names(
-                &caches.role_bindings,
-                namespace,
-                &selector_labels,
-                "rolebindings",
-            )
-            .await?,
+            cached_names(&caches.role_bindings, namespace, &selector_labels),
         ),
         (
             LabelledKind::PodDisruptionBudget,
-            cached_names(
-                &caches.disruption_budgets,
-                namespace,
-                &selector_labels,
-                "poddisruptionbudgets",
-            )
-            .await?,
+            cached_names(&caches.disruption_budgets, namespace, &selector_labels),
         ),
     ]);
     // HTTPRoutes are a CRD of their own: a cluster without it answers 404, which is a
@@ -800,21 +839,16 @@ pub async fn observe(
 }
 
 /// Names of the `K`s in `namespace` whose labels include `selector`, from a cache
-/// (waiting for its first list).
-async fn cached_names<K>(
+/// (which [`Caches::wait_until_ready`] has seen filled).
+fn cached_names<K>(
     store: &Store<PartialObjectMeta<K>>,
     namespace: &str,
     selector: &BTreeMap<String, String>,
-    what: &'static str,
-) -> Result<BTreeSet<String>, Error>
+) -> BTreeSet<String>
 where
     K: Resource<DynamicType = ()> + Clone + 'static,
 {
     store
-        .wait_until_ready()
-        .await
-        .map_err(|_| Error::Cache(what))?;
-    Ok(store
         .state()
         .iter()
         .filter(|object| object.namespace().as_deref() == Some(namespace))
@@ -825,7 +859,7 @@ where
                 .all(|(key, value)| labels.get(key) == Some(value))
         })
         .map(|object| object.name_any())
-        .collect())
+        .collect()
 }
 
 async fn apply_one<K>(
@@ -1034,7 +1068,72 @@ fn event_action(note: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use futures::stream::FuturesUnordered;
+
     use super::*;
+
+    /// The controller polls its reconciles in one task, each with its own waker; all
+    /// that wait for the caches at start-up must wake once the first lists arrive.
+    #[tokio::test]
+    async fn every_reconcile_waiting_for_the_caches_wakes_when_they_fill() {
+        let (nodes, mut node_writer) = reflector::store::<Node>();
+        let (deployments, mut deployment_writer) = reflector::store();
+        let (service_accounts, mut service_account_writer) = reflector::store();
+        let (roles, mut role_writer) = reflector::store();
+        let (role_bindings, mut role_binding_writer) = reflector::store();
+        let (budgets, mut budget_writer) = reflector::store();
+        let caches = Caches::new(
+            nodes,
+            deployments,
+            service_accounts,
+            roles,
+            role_bindings,
+            budgets,
+        );
+        let mut waiting: FuturesUnordered<_> = (0..3)
+            .map(|_| {
+                let caches = caches.clone();
+                async move { caches.wait_until_ready().await }
+            })
+            .collect();
+        assert!(futures::poll!(waiting.next()).is_pending());
+        node_writer.apply_watcher_event(&watcher::Event::InitDone);
+        deployment_writer.apply_watcher_event(&watcher::Event::InitDone);
+        service_account_writer.apply_watcher_event(&watcher::Event::InitDone);
+        role_writer.apply_watcher_event(&watcher::Event::InitDone);
+        role_binding_writer.apply_watcher_event(&watcher::Event::InitDone);
+        assert!(
+            futures::poll!(waiting.next()).is_pending(),
+            "ready before the last cache filled"
+        );
+        budget_writer.apply_watcher_event(&watcher::Event::InitDone);
+        let woken = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut woken = 0;
+            while let Some(result) = waiting.next().await {
+                assert!(result.is_ok());
+                woken += 1;
+            }
+            woken
+        })
+        .await;
+        assert_eq!(woken.ok(), Some(3), "a waiter was never woken");
+    }
+
+    #[tokio::test]
+    async fn a_cache_whose_watch_is_gone_is_named() {
+        let (nodes, node_writer) = reflector::store::<Node>();
+        drop(node_writer);
+        let caches = Caches::new(
+            nodes,
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+            reflector::store().0,
+        );
+        let error = caches.wait_until_ready().await;
+        assert!(matches!(error, Err(Error::Cache("nodes"))), "{error:?}");
+    }
 
     /// The API server's answer when the service range is exhausted, as kube returns it.
     fn refused(code: u16, message: &str) -> kube::Error {
