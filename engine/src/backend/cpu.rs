@@ -20,11 +20,11 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{BackendError, Batch, KvGeometry, Logits, LogitsWanted, ModelRunner, Segment};
+use super::{BackendError, Batch, KvGeometry, Logits, ModelRunner, Segment};
 use crate::kernels::attention::{AttnScratch, AttnTile, KvLayout, QUERY_TILE, attend};
 use crate::kernels::{Isa, QuantActs, ops};
 use crate::kv::KvCache;
-use crate::model::llama::{Linear, LlamaConfig, LlamaWeights};
+use crate::model::llama::{Linear, LlamaConfig, LlamaWeights, ModelPart, OutputHead};
 use crate::model::lora::{self, LoraAdapter, Projection};
 
 /// Settings of the CPU backend.
@@ -79,6 +79,26 @@ pub enum CpuConfigError {
     },
 }
 
+/// What a pipeline step starts from ([`CpuBackend::forward_stage`]).
+#[derive(Debug)]
+pub enum StageInput<'a> {
+    /// The batch's token ids, embedded here (the first stage).
+    Tokens,
+    /// The previous stage's hidden states, `tokens × dim` row-major. The buffer is
+    /// swapped with the backend's working one, not copied: the caller gets back a
+    /// buffer to receive the next step's states into.
+    Hidden(&'a mut Vec<f32>),
+}
+
+/// What a pipeline step produced.
+#[derive(Debug)]
+pub enum StageOutput<'a> {
+    /// The last stage's logits.
+    Logits(Logits),
+    /// The hidden states for the next stage, `tokens × dim` row-major.
+    Hidden(&'a [f32]),
+}
+
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
@@ -125,7 +145,9 @@ impl CpuBackend {
             kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
         };
-        let kv = KvCache::new(c.n_layers, config.num_blocks, layout);
+        // A pipeline stage stores its own layers only; the block ids are the leader's,
+        // valid on every stage.
+        let kv = KvCache::new(weights.layers.len(), config.num_blocks, layout);
         let pool = Arc::new(
             rayon::ThreadPoolBuilder::new()
                 .num_threads(config.threads)
@@ -135,6 +157,7 @@ impl CpuBackend {
         let isa = Isa::detect();
         tracing::info!(
             ?isa,
+            layers = ?weights.part.layers,
             threads = pool.current_num_threads(),
             blocks = config.num_blocks,
             kv_bytes = kv.bytes(),
@@ -183,12 +206,55 @@ impl CpuBackend {
         Ok(self)
     }
 
+    /// The part of the model this backend holds.
+    #[must_use]
+    pub fn part(&self) -> &ModelPart {
+        &self.weights.part
+    }
+
+    /// Runs one pipeline step over this backend's layers: from the batch's token ids
+    /// on the first stage, from the previous stage's hidden states on the others; to
+    /// the logits the batch asks for on the last stage, to the hidden states for the
+    /// next stage on the others (borrowed from the backend's working buffer, valid
+    /// until the next step). A whole model's step returns its logits, as
+    /// [`ModelRunner::forward`] does.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidBatch`] as [`ModelRunner::forward`];
+    /// [`BackendError::Stage`] for an input this stage does not take (token ids
+    /// where it does not embed, hidden states where it does or of the wrong size). No
+    /// KV is written in either case.
+    pub fn forward_stage(
+        &mut self,
+        batch: &Batch,
+        input: StageInput<'_>,
+    ) -> Result<StageOutput<'_>, BackendError> {
+        self.validate(batch)?;
+        let logits = if batch.seqs.is_empty() {
+            self.weights.head.as_ref().map(|_| Logits {
+                vocab: self.weights.config.vocab,
+                ..Logits::default()
+            })
+        } else {
+            let pool = Arc::clone(&self.pool);
+            pool.install(|| self.step_inner(batch, input))?
+        };
+        Ok(match logits {
+            Some(logits) => StageOutput::Logits(logits),
+            None => {
+                let rows = batch.num_tokens() * self.weights.config.dim;
+                StageOutput::Hidden(&self.scratch.x[..rows])
+            }
+        })
+    }
+
     /// Forces an instruction set (tests compare the portable and SIMD paths).
     pub fn set_isa(&mut self, isa: Isa) {
         self.isa = isa;
     }
 
-    fn validate(&self, batch: &Batch) -> Result<(), BackendError> {
+    /// Checks `batch` against this backend's vocabulary, KV store and adapters.
+    pub(crate) fn validate(&self, batch: &Batch) -> Result<(), BackendError> {
         super::validate_batch(
             batch,
             self.weights.config.vocab,
@@ -241,9 +307,63 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn forward_inner(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+    /// Runs `batch` through the layers this backend holds, from `input`; returns the
+    /// logits when it holds the head, else leaves the hidden states in `scratch.x`.
+    /// Single-process and pipeline-stage steps share it, so a stage runs exactly the
+    /// single process's arithmetic for its layers.
+    fn step_inner(
+        &mut self,
+        batch: &Batch,
+        input: StageInput<'_>,
+    ) -> Result<Option<Logits>, BackendError> {
+        let w = Arc::clone(&self.weights);
+        let dim = w.config.dim;
+        let n = batch.num_tokens();
+        let x = &mut self.scratch.x;
+        // Both checked before any layer runs, so a refused step writes no KV.
+        match input {
+            StageInput::Tokens => {
+                let embed = w.embed.as_ref().ok_or_else(|| {
+                    BackendError::Stage(format!(
+                        "token ids given to the stage of layers {:?}, which does not embed",
+                        w.part.layers
+                    ))
+                })?;
+                x.resize(n * dim, 0.0);
+                for (t, tok) in batch.seqs.iter().flat_map(|s| s.tokens.iter()).enumerate() {
+                    embed.lookup(*tok, &mut x[t * dim..(t + 1) * dim])?;
+                }
+            }
+            StageInput::Hidden(hidden) => {
+                if w.embed.is_some() || hidden.len() != n * dim {
+                    return Err(BackendError::Stage(format!(
+                        "{} hidden-state floats given to the stage of layers {:?} for {n} \
+tokens of width {dim}{}",
+                        hidden.len(),
+                        w.part.layers,
+                        if w.embed.is_some() {
+                            ", which embeds token ids itself"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+                // The caller's buffer becomes the next working one: no copy.
+                std::mem::swap(x, hidden);
+            }
+        }
+        self.run_layers(batch)?;
+        w.head
+            .as_ref()
+            .map(|head| self.output_head(batch, head))
+            .transpose()
+    }
+
+    /// The layer loop over the step's hidden states in `scratch.x`.
+    fn run_layers(&mut self, batch: &Batch) -> Result<(), BackendError> {
         let w = Arc::clone(&self.weights);
         let c = &w.config;
+        let first_layer = w.part.layers.start;
         let isa = self.isa;
         let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
@@ -264,10 +384,6 @@ impl CpuBackend {
             .map(|&p| ops::rope_table(p, c.rope_dims, c.rope_base))
             .collect();
         let sc = &mut self.scratch;
-        sc.x.resize(n * dim, 0.0);
-        for (t, tok) in batch.seqs.iter().flat_map(|s| s.tokens.iter()).enumerate() {
-            w.embed.lookup(*tok, &mut sc.x[t * dim..(t + 1) * dim])?;
-        }
         sc.h.resize(n * dim, 0.0);
         sc.attn.resize(n * dim, 0.0);
         sc.attn_tiles.resize(n * dim, 0.0);
@@ -286,12 +402,14 @@ impl CpuBackend {
             [(Projection::Gate, 0), (Projection::Up, c.ffn_dim)],
         );
         for (li, layer) in w.layers.iter().enumerate() {
+            // LoRA adapters are indexed by model layer, the stage's KV by its own.
+            let model_layer = first_layer + li;
             ops::rms_norm(&sc.x, &layer.attn_norm, c.norm_eps, &mut sc.h);
             Self::run_linear(isa, &layer.qkv, &sc.h, n, &mut sc.acts, &mut sc.qkv)?;
             Self::add_lora(
                 adapters,
                 &segments,
-                (li, &qkv_lora),
+                (model_layer, &qkv_lora),
                 (&sc.h, dim),
                 (&mut sc.qkv, qkv_w),
             );
@@ -350,7 +468,7 @@ impl CpuBackend {
             Self::add_lora(
                 adapters,
                 &segments,
-                (li, &[(Projection::O, 0)]),
+                (model_layer, &[(Projection::O, 0)]),
                 (&sc.attn, dim),
                 (&mut sc.proj, dim),
             );
@@ -360,7 +478,7 @@ impl CpuBackend {
             Self::add_lora(
                 adapters,
                 &segments,
-                (li, &gate_up_lora),
+                (model_layer, &gate_up_lora),
                 (&sc.h, dim),
                 (&mut sc.gate_up, 2 * c.ffn_dim),
             );
@@ -376,38 +494,33 @@ impl CpuBackend {
             Self::add_lora(
                 adapters,
                 &segments,
-                (li, &[(Projection::Down, 0)]),
+                (model_layer, &[(Projection::Down, 0)]),
                 (&sc.ffn, c.ffn_dim),
                 (&mut sc.proj, dim),
             );
             ops::add_in_place(&mut sc.x, &sc.proj);
         }
+        Ok(())
+    }
+
+    /// The final norm and output head over the rows the batch asked logits for.
+    fn output_head(&mut self, batch: &Batch, head: &OutputHead) -> Result<Logits, BackendError> {
+        let c = &self.weights.config;
+        let (dim, isa) = (c.dim, self.isa);
+        let sc = &mut self.scratch;
         // Only the rows someone asked for go through the (large) output head.
-        let mut spans = Vec::with_capacity(batch.seqs.len());
-        let mut rows = Vec::new();
-        let mut t0 = 0;
-        for s in &batch.seqs {
-            let len = s.tokens.len();
-            let start = rows.len();
-            match s.logits {
-                LogitsWanted::None => {}
-                LogitsWanted::Last => rows.push(t0 + len - 1),
-                LogitsWanted::All => rows.extend(t0..t0 + len),
-            }
-            spans.push(start..rows.len());
-            t0 += len;
-        }
+        let (rows, spans) = batch.logits_rows();
         let m = rows.len();
         let mut sel = Vec::with_capacity(m * dim);
         for &r in &rows {
             sel.extend_from_slice(&sc.x[r * dim..(r + 1) * dim]);
         }
         sc.h.resize(m * dim, 0.0);
-        ops::rms_norm(&sel, &w.output_norm, c.norm_eps, &mut sc.h);
+        ops::rms_norm(&sel, &head.norm, c.norm_eps, &mut sc.h);
         let mut data = Vec::new();
         Self::run_linear(
             isa,
-            std::slice::from_ref(&w.output),
+            std::slice::from_ref(&head.output),
             &sc.h,
             m,
             &mut sc.acts,
@@ -480,6 +593,14 @@ impl ModelRunner for CpuBackend {
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
         self.validate(batch)?;
+        let part = &self.weights.part;
+        if !part.is_whole(self.weights.config.n_layers) {
+            return Err(BackendError::Stage(format!(
+                "this backend holds layers {:?} of {} only; it runs pipeline steps \
+(`forward_stage`), not whole forward passes",
+                part.layers, self.weights.config.n_layers
+            )));
+        }
         if batch.seqs.is_empty() {
             return Ok(Logits {
                 vocab: self.weights.config.vocab,
@@ -489,6 +610,7 @@ impl ModelRunner for CpuBackend {
         // Running the whole step inside the pool keeps the caller's thread a worker,
         // so each product's fork/join does not cross into a sleeping thread.
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.forward_inner(batch))
+        pool.install(|| self.step_inner(batch, StageInput::Tokens))?
+            .ok_or_else(|| BackendError::Stage("a whole model returned no logits".into()))
     }
 }

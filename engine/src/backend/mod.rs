@@ -98,6 +98,28 @@ impl Batch {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
     }
 
+    /// The rows (tokens, in batch order) whose logits the step returns, and each
+    /// chunk's span of those rows: the layout of [`Logits`].
+    #[must_use]
+    pub fn logits_rows(&self) -> (Vec<usize>, Vec<Range<usize>>) {
+        let mut spans = Vec::with_capacity(self.seqs.len());
+        let mut rows = Vec::new();
+        let mut t0 = 0;
+        for s in &self.seqs {
+            let len = s.tokens.len();
+            let start = rows.len();
+            match s.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last if len > 0 => rows.push(t0 + len - 1),
+                LogitsWanted::Last => {}
+                LogitsWanted::All => rows.extend(t0..t0 + len),
+            }
+            spans.push(start..rows.len());
+            t0 += len;
+        }
+        (rows, spans)
+    }
+
     /// The rows of the step per adapter: one [`Segment`] per run of consecutive
     /// sequences with the same adapter, in row order; base-model rows are in none.
     #[must_use]
@@ -230,6 +252,12 @@ pub enum BackendError {
     /// The device (GPU) failed.
     #[error(transparent)]
     Device(#[from] device::DeviceError),
+    /// A pipeline stage was given a step it cannot run (an input of another stage).
+    #[error("pipeline stage: {0}")]
+    Stage(String),
+    /// A rank of a parallel group failed (the error names it); the group is done.
+    #[error("parallel group: {0}")]
+    Group(#[from] crate::parallel::TransportError),
 }
 
 /// Checks a batch against the contract in the module docs for a store of `num_blocks`

@@ -7,6 +7,8 @@
 //! embedding (tied). Projections reading the same input (Q/K/V, gate/up) are stacked
 //! into one matrix when their formats allow, so each runs as one product.
 
+use std::ops::Range;
+
 use crate::kernels::{self, KernelError, PackedMatrix, QuantActs, RowSource, WeightFormat};
 use crate::model::gguf::{GgmlType, GgufError, GgufFile, TensorView};
 
@@ -269,19 +271,59 @@ pub struct Layer {
     pub down: Linear,
 }
 
-/// All weights of a llama model.
+/// The final norm and the output head, held by the last pipeline stage.
 #[derive(Debug)]
-pub struct LlamaWeights {
-    /// Hyper-parameters.
-    pub config: LlamaConfig,
-    /// Token embeddings.
-    pub embed: Embedding,
-    /// Transformer blocks.
-    pub layers: Vec<Layer>,
+pub struct OutputHead {
     /// Final RMSNorm.
-    pub output_norm: Vec<f32>,
+    pub norm: Vec<f32>,
     /// Output head (the embedding matrix when tied).
     pub output: Linear,
+}
+
+/// Which part of a model a process holds: a contiguous run of layers, with the token
+/// embedding when it is the first stage and the output head when it is the last. A
+/// single process holds the whole model ([`ModelPart::whole`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelPart {
+    /// The layers, as model layer indices.
+    pub layers: Range<usize>,
+    /// Whether the token embedding is held (the first stage).
+    pub embeds: bool,
+    /// Whether the final norm and output head are held (the last stage).
+    pub head: bool,
+}
+
+impl ModelPart {
+    /// Every layer, the embedding and the head.
+    #[must_use]
+    pub fn whole(n_layers: usize) -> Self {
+        Self {
+            layers: 0..n_layers,
+            embeds: true,
+            head: true,
+        }
+    }
+
+    /// Whether this is the whole model of `n_layers` layers.
+    #[must_use]
+    pub fn is_whole(&self, n_layers: usize) -> bool {
+        *self == Self::whole(n_layers)
+    }
+}
+
+/// The weights of a llama model, or of one pipeline stage of it ([`ModelPart`]).
+#[derive(Debug)]
+pub struct LlamaWeights {
+    /// Hyper-parameters (of the whole model, whatever part is held).
+    pub config: LlamaConfig,
+    /// What this holds: `layers[i]` is model layer `part.layers.start + i`.
+    pub part: ModelPart,
+    /// Token embeddings, when [`ModelPart::embeds`].
+    pub embed: Option<Embedding>,
+    /// Transformer blocks of [`ModelPart::layers`].
+    pub layers: Vec<Layer>,
+    /// Final norm and output head, when [`ModelPart::head`].
+    pub head: Option<OutputHead>,
 }
 
 fn format_of(t: &TensorView<'_>) -> Result<WeightFormat, ModelError> {
@@ -402,19 +444,48 @@ impl LlamaWeights {
     /// Missing or mis-shaped tensors, unsupported tensor types, bad metadata.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let c = LlamaConfig::from_gguf(file)?;
+        let whole = ModelPart::whole(c.n_layers);
+        Self::load_part(file, c, &whole)
+    }
+
+    /// Loads and repacks only the tensors of `part`: a pipeline stage's layers, and
+    /// the embedding or the head when it holds them.
+    ///
+    /// Memory: the file stays memory-mapped whole, but only `part`'s tensors are read
+    /// (and copied into the kernels' packed layout), so the other stages' pages are
+    /// never faulted in and the resident set is this part's weights.
+    ///
+    /// # Errors
+    /// As [`LlamaWeights::from_gguf`], and a part outside the model's layers.
+    pub fn from_gguf_part(file: &GgufFile, part: &ModelPart) -> Result<Self, ModelError> {
+        let c = LlamaConfig::from_gguf(file)?;
+        Self::load_part(file, c, part)
+    }
+
+    fn load_part(file: &GgufFile, c: LlamaConfig, part: &ModelPart) -> Result<Self, ModelError> {
+        if part.layers.start > part.layers.end || part.layers.end > c.n_layers {
+            return Err(ModelError::Invalid(format!(
+                "layers {:?} of a model of {} layers",
+                part.layers, c.n_layers
+            )));
+        }
         let (dim, kv, ffn) = (c.dim, c.kv_dim(), c.ffn_dim);
-        let (et, ef) = matrix(file, "token_embd.weight", c.vocab, dim)?;
-        let embed = Embedding {
-            format: ef,
-            dim,
-            row_bytes: ef.row_bytes(dim).map_err(|source| ModelError::Kernel {
-                tensor: "token_embd.weight".into(),
-                source,
-            })?,
-            data: et.data.to_vec(),
+        let embed = if part.embeds {
+            let (et, ef) = matrix(file, "token_embd.weight", c.vocab, dim)?;
+            Some(Embedding {
+                format: ef,
+                dim,
+                row_bytes: ef.row_bytes(dim).map_err(|source| ModelError::Kernel {
+                    tensor: "token_embd.weight".into(),
+                    source,
+                })?,
+                data: et.data.to_vec(),
+            })
+        } else {
+            None
         };
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
+        let mut layers = Vec::with_capacity(part.layers.len());
+        for i in part.layers.clone() {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: vector(file, &n("attn_norm"), dim)?,
@@ -429,16 +500,24 @@ impl LlamaWeights {
                 down: single(file, &n("ffn_down"), dim, ffn)?,
             });
         }
-        let output_name = if file.tensor_info("output.weight").is_some() {
-            "output.weight"
+        let head = if part.head {
+            let output_name = if file.tensor_info("output.weight").is_some() {
+                "output.weight"
+            } else {
+                "token_embd.weight"
+            };
+            Some(OutputHead {
+                norm: vector(file, "output_norm.weight", dim)?,
+                output: single(file, output_name, c.vocab, dim)?,
+            })
         } else {
-            "token_embd.weight"
+            None
         };
         Ok(Self {
-            output_norm: vector(file, "output_norm.weight", dim)?,
-            output: single(file, output_name, c.vocab, dim)?,
+            part: part.clone(),
             embed,
             layers,
+            head,
             config: c,
         })
     }

@@ -1,6 +1,6 @@
 //! Parallel groups: one model served by `tensor × pipeline` ranks (processes, on one
-//! host or several pods) as one engine (issue #15). This module holds the parts that
-//! do not touch the forward pass; wiring them in is listed at the end.
+//! host or several pods) as one engine (issue #15). What is not wired yet is listed at
+//! the end.
 //!
 //! - [`layout`]: which layers, heads, MLP columns and vocab rows each rank holds,
 //!   computed from the model's shape alone. A `tensor` that does not divide the
@@ -12,6 +12,13 @@
 //! - [`tcp`]: the TCP implementation for the CPU backend (rendezvous through the
 //!   leader, full mesh, gather-and-broadcast all-reduce). NCCL would implement the
 //!   same trait for CUDA, with device buffers as its tensors.
+//! - [`step`]: the leader's step frame (the batch: chunks, positions, block tables,
+//!   logits wanted, adapters; or idle, or stop), encoded once for every rank.
+//! - [`pipeline`]: pipeline parallelism on the CPU backend. [`StageRunner`] holds one
+//!   stage (its layers' weights only, its layers' KV blocks only, the leader's block
+//!   ids); [`PipelineRunner`] is the leader's [`crate::backend::ModelRunner`], running
+//!   stage 0 and driving the others; [`run_worker`] is a worker rank's loop. Logits
+//!   are bit-identical to the single process's (`tests/pipeline_parallel.rs`).
 //!
 //! Rank numbering, shared with the contract's `--rank`: `rank = stage × tensor +
 //! tensor_rank`. Rank 0 is the leader: it serves HTTP, admits requests and runs the
@@ -30,19 +37,20 @@
 //! whole group fails within about one step timeout, never hangs.
 //!
 //! Left to wire (the rest of #15):
-//! - The forward pass split by [`layout::RankLayout`]: each rank maps only its layers
-//!   and its shard of the heads and MLP columns (row-parallel output and down
-//!   projections, one all-reduce after each); stage 0 embeds, the last stage's tensor
-//!   ranks compute their vocab slice of the logits and send it to the leader. KV blocks
-//!   per stage hold only that stage's layers; block ids come from the leader.
-//! - The step protocol: the leader sends each step's batch (chunks, positions, block
-//!   tables) as a `Batch` frame to every rank, and an empty one at least every half
-//!   step timeout while idle, so a worker waiting for work can tell an idle leader
-//!   from a dead one.
-//! - `serve`: the scheduler, admission and HTTP on the leader only; workers run a
-//!   compute loop. Readiness: a worker is ready once the group formed; the leader once
-//!   the group formed and the model loaded. A transport error ends the leader's
-//!   in-flight requests with an explicit error and exits every process non-zero.
+//! - Tensor parallelism in the forward pass, by [`layout::RankLayout`]: each rank maps
+//!   only its shard of the heads and MLP columns (row-parallel output and down
+//!   projections, one all-reduce after each); the last stage's tensor ranks compute
+//!   their vocab slice of the logits and send it to the leader. [`StageRunner`]
+//!   refuses `tensor > 1` until then.
+//! - `serve`: the scheduler, admission and HTTP on the leader only, over a
+//!   [`PipelineRunner`]; workers run [`run_worker`]. The leader must send
+//!   [`PipelineRunner::keep_alive`] at least every half step timeout while idle, since
+//!   a worker waiting for work takes a silent leader for a dead one. Readiness: a
+//!   worker is ready once the group formed; the leader once the group formed and the
+//!   model loaded. A transport error ends the leader's in-flight requests with an
+//!   explicit error and exits every process non-zero.
+//! - Sampling on the last stage, so a decode step sends the leader tokens instead of
+//!   a row of logits per sequence (196 KiB each for a 49,152-token vocabulary).
 //! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and
 //!   `--leader-address` per pod (and own them against `release.engine.args`); the
 //!   group's headless Service must publish not-ready addresses so workers can resolve
@@ -50,6 +58,8 @@
 //!   pod holding several GPUs needs one rank per GPU.
 
 pub mod layout;
+pub mod pipeline;
+pub mod step;
 pub mod tcp;
 pub mod transport;
 mod wire;
@@ -58,5 +68,6 @@ mod wire;
 mod tcp_tests;
 
 pub use layout::{LayoutError, ModelShape, ParallelLayout, RankLayout};
+pub use pipeline::{PipelineError, PipelineRunner, StageRunner, run_worker};
 pub use tcp::{TcpConfig, TcpTransport};
 pub use transport::{FrameKind, Phase, Transport, TransportError};

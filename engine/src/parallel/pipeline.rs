@@ -1,0 +1,432 @@
+//! Pipeline parallelism on the CPU backend: each rank holds one stage (a contiguous
+//! run of layers, [`RankLayout::layers`]) and its KV blocks; the leader drives steps.
+//!
+//! A step, with `s` stages (rank = stage, as tensor parallelism is not wired here):
+//! 1. the leader (rank 0, stage 0) checks the batch, then sends its description
+//!    ([`StepFrame::Run`]) to every other rank;
+//! 2. stage 0 embeds the tokens, runs its layers and sends the hidden states
+//!    (`tokens × dim` f32) to stage 1; each stage runs its layers on what it
+//!    receives and passes the result on;
+//! 3. the last stage applies the final norm and the output head to the rows the
+//!    batch asked logits for, and sends those rows (only those) to the leader, which
+//!    samples them as a single process does.
+//!
+//! Block ids come from the leader's scheduler and are valid on every stage: every
+//! stage's KV store has the same number of blocks, each holding its own layers only.
+//!
+//! Steps run one at a time, without micro-batching: while stage 1 computes, stage 0
+//! waits for the logits. Micro-batching would overlap stages on different parts of a
+//! step, but every step's tokens depend on the previous step's samples, so it only
+//! pays with several independent batches in flight, which the scheduler does not
+//! form; the split's point here is memory (each rank holds `1/s` of the layers and
+//! of the KV cache), not throughput.
+//!
+//! Failure: any error once a step is sent fails the group for good. The leader drops
+//! its transport (every worker sees the connection close and exits with an error
+//! naming rank 0); a worker that fails returns its error from [`run_worker`] and its
+//! transport closes, so the leader's step fails naming that worker. The transport
+//! bounds every wait by the step timeout, so no rank hangs on a dead peer.
+
+use std::sync::Arc;
+
+use super::layout::{LayoutError, ParallelLayout, RankLayout};
+use super::step::{StepFrame, StepFrameError};
+use super::transport::{FrameKind, Transport, TransportError};
+use crate::backend::cpu::{CpuBackend, CpuConfig, StageInput, StageOutput};
+use crate::backend::{BackendError, Batch, KvGeometry, Logits, ModelRunner};
+use crate::model::gguf::GgufFile;
+use crate::model::llama::{LlamaConfig, LlamaWeights, ModelError, ModelPart};
+use crate::model::lora::LoraAdapter;
+
+/// Why a pipeline stage could not start, or a worker stopped serving steps.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(
+        "tensor parallelism ({0} ranks per stage) is not wired into the forward pass yet; \
+only pipeline stages are"
+    )]
+    TensorUnsupported(usize),
+    #[error("loading stage {stage} (layers {layers:?}): {source}")]
+    Load {
+        stage: usize,
+        layers: std::ops::Range<usize>,
+        #[source]
+        source: ModelError,
+    },
+    #[error("the stage's CPU backend: {0}")]
+    Backend(String),
+    #[error("rank {rank}: {detail}")]
+    Mismatch { rank: usize, detail: String },
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("step {step}: the leader's step frame is malformed: {source}")]
+    Frame {
+        step: u64,
+        #[source]
+        source: StepFrameError,
+    },
+    #[error("step {step}: {source}")]
+    Step {
+        step: u64,
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl PipelineError {
+    /// The ranks this error blames, as [`TransportError::blamed`]; none for a local
+    /// failure.
+    #[must_use]
+    pub fn blamed(&self) -> Vec<usize> {
+        match self {
+            Self::Transport(e) => e.blamed(),
+            Self::Frame { .. } => vec![0],
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// One rank's stage: its CPU backend (holding only its layers) and where it sits in
+/// the group.
+#[derive(Debug)]
+pub struct StageRunner {
+    backend: CpuBackend,
+    layout: RankLayout,
+    world: usize,
+    /// The rank that computes the logits (the last stage).
+    head_rank: usize,
+}
+
+impl StageRunner {
+    /// Loads rank `rank`'s stage of `group` from `file`: only its layers' weights are
+    /// read and packed (see [`LlamaWeights::from_gguf_part`]) and its KV store holds
+    /// only its layers.
+    ///
+    /// # Errors
+    /// [`PipelineError`] for a rank outside the group, a group with tensor
+    /// parallelism, a model that cannot load or a backend that cannot start.
+    pub fn load(
+        file: &GgufFile,
+        group: &ParallelLayout,
+        rank: usize,
+        config: &CpuConfig,
+    ) -> Result<Self, PipelineError> {
+        let layout = group.rank(rank)?;
+        let weights =
+            LlamaWeights::from_gguf_part(file, &Self::part_of(&layout)).map_err(|source| {
+                PipelineError::Load {
+                    stage: layout.stage,
+                    layers: layout.layers.clone(),
+                    source,
+                }
+            })?;
+        let backend = CpuBackend::new(Arc::new(weights), config).map_err(PipelineError::Backend)?;
+        Self::new(backend, group, rank)
+    }
+
+    /// Wraps a backend already loaded with rank `rank`'s part of `group`.
+    ///
+    /// # Errors
+    /// [`PipelineError::Mismatch`] when the backend holds another part;
+    /// [`PipelineError::TensorUnsupported`] for a group with tensor parallelism.
+    pub fn new(
+        backend: CpuBackend,
+        group: &ParallelLayout,
+        rank: usize,
+    ) -> Result<Self, PipelineError> {
+        if group.tensor() != 1 {
+            return Err(PipelineError::TensorUnsupported(group.tensor()));
+        }
+        let layout = group.rank(rank)?;
+        let want = Self::part_of(&layout);
+        if *backend.part() != want {
+            return Err(PipelineError::Mismatch {
+                rank,
+                detail: format!(
+                    "the backend holds {:?}, the stage is {want:?}",
+                    backend.part()
+                ),
+            });
+        }
+        Ok(Self {
+            backend,
+            layout,
+            world: group.world_size(),
+            head_rank: group.head_ranks().start,
+        })
+    }
+
+    fn part_of(layout: &RankLayout) -> ModelPart {
+        ModelPart {
+            layers: layout.layers.clone(),
+            embeds: layout.embeds,
+            head: layout.head.is_some(),
+        }
+    }
+
+    /// The stage's backend.
+    #[must_use]
+    pub fn backend(&self) -> &CpuBackend {
+        &self.backend
+    }
+
+    /// Where this stage sits in the group.
+    #[must_use]
+    pub fn layout(&self) -> &RankLayout {
+        &self.layout
+    }
+
+    fn check_transport<T: Transport + ?Sized>(&self, transport: &T) -> Result<(), PipelineError> {
+        if transport.rank() != self.layout.rank || transport.world_size() != self.world {
+            return Err(PipelineError::Mismatch {
+                rank: self.layout.rank,
+                detail: format!(
+                    "the transport is rank {} of {}, the stage rank {} of {}",
+                    transport.rank(),
+                    transport.world_size(),
+                    self.layout.rank,
+                    self.world
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Serves the leader's steps on a worker rank until the leader says stop (`Ok`) or
+/// the group fails. The transport is consumed: when this returns, its connections
+/// close, so the other ranks learn at once that this one is gone.
+///
+/// # Errors
+/// [`PipelineError::Transport`] naming the peer that died, went silent or aborted
+/// the group; [`PipelineError::Frame`] for a step frame that cannot be read;
+/// [`PipelineError::Step`] for a step this stage could not run.
+pub fn run_worker<T: Transport<Tensor = [f32]>>(
+    mut transport: T,
+    stage: &mut StageRunner,
+) -> Result<(), PipelineError> {
+    stage.check_transport(&transport)?;
+    let me = stage.layout.clone();
+    if me.is_leader() {
+        return Err(PipelineError::Mismatch {
+            rank: 0,
+            detail: "rank 0 leads the group; it runs no worker loop".to_owned(),
+        });
+    }
+    let dim = stage.backend.config().dim;
+    let mut hidden = Vec::new();
+    for step in 1u64.. {
+        let frame = transport.recv_bytes(0, step, FrameKind::Batch)?;
+        let batch = match StepFrame::decode(frame)
+            .map_err(|source| PipelineError::Frame { step, source })?
+        {
+            StepFrame::Run(batch) => batch,
+            StepFrame::Idle => continue,
+            StepFrame::Stop => {
+                tracing::info!(rank = me.rank, step, "the leader stopped the group");
+                return Ok(());
+            }
+        };
+        let fail = |source| PipelineError::Step { step, source };
+        // Checked before sizing the receive buffer by the batch's token count.
+        stage.backend.validate(&batch).map_err(fail)?;
+        let input = match me.receives_from {
+            Some(from) => {
+                hidden.resize(batch.num_tokens() * dim, 0.0);
+                transport.recv_tensor(from, step, FrameKind::Hidden, &mut hidden)?;
+                StageInput::Hidden(&mut hidden)
+            }
+            None => StageInput::Tokens,
+        };
+        match stage.backend.forward_stage(&batch, input).map_err(fail)? {
+            StageOutput::Hidden(x) => {
+                let to = me.sends_to.ok_or_else(|| PipelineError::Mismatch {
+                    rank: me.rank,
+                    detail: "a stage without a head has no next stage".to_owned(),
+                })?;
+                transport.send_tensor(to, step, FrameKind::Hidden, x)?;
+            }
+            StageOutput::Logits(logits) => {
+                transport.send_tensor(0, step, FrameKind::Logits, &logits.data)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The leader's [`ModelRunner`] of a pipeline group: runs stage 0 here and the
+/// others through the transport (see the module docs for a step).
+///
+/// LoRA adapters: a chunk's adapter id travels with the step; every rank must have
+/// loaded the same adapters in the same order.
+#[derive(Debug)]
+pub struct PipelineRunner<T: Transport<Tensor = [f32]>> {
+    stage: StageRunner,
+    /// `None` once the group failed (dropping it closed the connections).
+    transport: Option<T>,
+    /// Why the group failed, for the steps asked after.
+    failed: Option<String>,
+    /// The last step id sent.
+    step: u64,
+    /// The step frame's encoding buffer, reused.
+    frame: Vec<u8>,
+}
+
+impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
+    /// The leader of a formed group: `stage` is rank 0's, `transport` rank 0's.
+    ///
+    /// # Errors
+    /// [`PipelineError::Mismatch`] when either is not rank 0 of the same group.
+    pub fn new(stage: StageRunner, transport: T) -> Result<Self, PipelineError> {
+        stage.check_transport(&transport)?;
+        if !stage.layout.is_leader() || stage.layout.sends_to.is_none() {
+            return Err(PipelineError::Mismatch {
+                rank: stage.layout.rank,
+                detail: "the pipeline's leader is rank 0 of a group of several stages".to_owned(),
+            });
+        }
+        Ok(Self {
+            stage,
+            transport: Some(transport),
+            failed: None,
+            step: 0,
+            frame: Vec::new(),
+        })
+    }
+
+    /// Tells every worker the leader is alive with no step to run. Serving calls it
+    /// while idle, at least every half step timeout, so waiting workers do not take
+    /// the leader for dead.
+    ///
+    /// # Errors
+    /// [`BackendError::Group`] when the group has failed.
+    pub fn keep_alive(&mut self) -> Result<(), BackendError> {
+        self.broadcast(&StepFrame::Idle).map(drop)
+    }
+
+    /// Ends the group: every worker's [`run_worker`] returns `Ok`. Steps asked after
+    /// it fail.
+    ///
+    /// # Errors
+    /// [`BackendError::Group`] when the group had already failed.
+    pub fn stop(&mut self) -> Result<(), BackendError> {
+        self.broadcast(&StepFrame::Stop)?;
+        self.fail("the group was stopped".to_owned());
+        Ok(())
+    }
+
+    fn fail(&mut self, why: String) {
+        // Closing the connections is what tells the workers, at once.
+        self.transport = None;
+        self.failed.get_or_insert(why);
+    }
+
+    fn transport(&mut self) -> Result<&mut T, BackendError> {
+        match (&mut self.transport, &self.failed) {
+            (Some(t), None) => Ok(t),
+            (_, why) => Err(BackendError::Group(TransportError::Local(format!(
+                "the group failed earlier: {}",
+                why.as_deref().unwrap_or("unknown")
+            )))),
+        }
+    }
+
+    /// Sends `frame` to every worker as the next step; returns its step id.
+    fn broadcast(&mut self, frame: &StepFrame<&Batch>) -> Result<u64, BackendError> {
+        frame
+            .encode(&mut self.frame)
+            .map_err(|e| BackendError::InvalidBatch(e.to_string()))?;
+        let step = self.step + 1;
+        let world = self.stage.world;
+        let frame = std::mem::take(&mut self.frame);
+        let sent = self.transport().and_then(|t| {
+            (1..world).try_for_each(|rank| {
+                t.send_bytes(rank, step, FrameKind::Batch, &frame)
+                    .map_err(BackendError::from)
+            })
+        });
+        self.frame = frame;
+        self.step = step;
+        if let Err(e) = &sent {
+            self.fail(e.to_string());
+        }
+        sent.map(|()| step)
+    }
+
+    /// The step after the broadcast: stage 0 here, the logits from the last stage.
+    fn run(&mut self, batch: &Batch, step: u64) -> Result<Logits, BackendError> {
+        let next = self
+            .stage
+            .layout
+            .sends_to
+            .ok_or_else(|| BackendError::Stage("the leader's stage has no next".into()))?;
+        let head_rank = self.stage.head_rank;
+        let transport = match (&mut self.transport, &self.failed) {
+            (Some(t), None) => t,
+            _ => return Err(BackendError::Stage("the group failed".into())),
+        };
+        match self
+            .stage
+            .backend
+            .forward_stage(batch, StageInput::Tokens)?
+        {
+            StageOutput::Hidden(x) => transport.send_tensor(next, step, FrameKind::Hidden, x)?,
+            StageOutput::Logits(_) => {
+                return Err(BackendError::Stage(
+                    "the leader's stage computed logits: not a pipeline".into(),
+                ));
+            }
+        }
+        let (rows, spans) = batch.logits_rows();
+        let vocab = self.stage.backend.config().vocab;
+        let mut data = vec![0f32; rows.len() * vocab];
+        transport.recv_tensor(head_rank, step, FrameKind::Logits, &mut data)?;
+        Ok(Logits { vocab, data, spans })
+    }
+}
+
+impl<T: Transport<Tensor = [f32]>> ModelRunner for PipelineRunner<T> {
+    fn config(&self) -> &LlamaConfig {
+        self.stage.backend.config()
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.stage.backend.kv_geometry()
+    }
+
+    fn adapters(&self) -> &[Arc<LoraAdapter>] {
+        self.stage.backend.adapters()
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+        // An invalid batch is refused here, before any rank hears of it: the group
+        // stays healthy.
+        self.stage.backend.validate(batch)?;
+        if batch.seqs.is_empty() {
+            return Ok(Logits {
+                vocab: self.config().vocab,
+                ..Logits::default()
+            });
+        }
+        let step = self.broadcast(&StepFrame::Run(batch))?;
+        let out = self.run(batch, step);
+        if let Err(e) = &out {
+            // The workers are mid-step: only failing the group ends it for them.
+            tracing::error!(step, error = %e, "pipeline step failed; failing the group");
+            self.fail(e.to_string());
+        }
+        out
+    }
+}
+
+impl<T: Transport<Tensor = [f32]>> Drop for PipelineRunner<T> {
+    fn drop(&mut self) {
+        // Best effort, so the workers of a runner dropped without `stop` exit cleanly
+        // rather than on a closed connection; a failed group's are closed already.
+        if self.failed.is_none() {
+            let _ignored = self.broadcast(&StepFrame::Stop);
+        }
+    }
+}
