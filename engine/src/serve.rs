@@ -9,6 +9,20 @@
 //! then the listener closes and the process exits 0. There is no drain endpoint: in
 //! a pod the kubelet's SIGTERM (after the preStop hook) is the one way to drain, so
 //! no client reaching the serving port can take a replica out.
+//!
+//! Pipeline groups (`--pipeline-parallel N`, issue #15): every rank loads only its
+//! stage's layers. A worker (`--rank` > 0) joins the group at `--leader-address` and
+//! computes the leader's steps ([`slipway_engine::parallel::run_worker`]); it serves no
+//! HTTP, exits 0 when the leader ends the group (the leader drained) and non-zero
+//! when the group fails. The leader (rank 0) loads stage 0, forms the group (the
+//! workers join only once loaded) and only then listens, so it is ready exactly when
+//! every rank joined and loaded; it runs the scheduler, admission and HTTP over a
+//! [`slipway_engine::parallel::PipelineRunner`], sending keep-alives every quarter
+//! step timeout while idle. When the group fails (a rank dead, silent for the step
+//! timeout, or aborting), `/ready` turns false, the failed step's requests and every
+//! other one end with an explicit error naming the rank, the listener closes and the
+//! process exits non-zero. Tensor parallelism and the CUDA backend are refused for
+//! groups, as are LoRA adapters.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,13 +34,17 @@ use slipway_contract::ServeArgs;
 use slipway_engine::backend::cpu::CpuConfig;
 use slipway_engine::backend::device::runner::DeviceConfig;
 use slipway_engine::backend::{BackendOptions, select};
+use slipway_engine::backend::{Device, DeviceChoice};
 use slipway_engine::kernels::attention::KvLayout;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaConfig;
 use slipway_engine::model::lora;
-use slipway_engine::parallel::{ModelShape, ParallelLayout};
+use slipway_engine::parallel::{
+    ModelShape, ParallelLayout, PipelineRunner, StageRunner, TcpConfig, TcpTransport, run_worker,
+};
 use slipway_engine::serving::admission::{Admission, AdmissionConfig, TenantRate};
 use slipway_engine::serving::block_manager::BlockManagerConfig;
+use slipway_engine::serving::engine::BoxedRunner;
 use slipway_engine::serving::engine::{EngineConfig, spawn_with_metrics};
 use slipway_engine::serving::http::{ApiConfig, AppState, ModelText, router};
 use slipway_engine::serving::metrics::{ServingMetrics, SloTargets};
@@ -37,16 +55,15 @@ use slipway_engine::tokenizer::Tokenizer;
 /// KV blocks when neither `--kv-blocks` nor `--kv-memory` is given.
 const DEFAULT_KV_BLOCKS: usize = 2048;
 
-/// Bytes of one KV block: keys and values (f16 on both backends) of every layer and
-/// KV head for `block_size` positions.
-#[must_use]
-pub fn kv_block_bytes(c: &LlamaConfig, block_size: usize) -> u64 {
+/// Bytes of one KV block: keys and values (f16 on both backends) of `layers` layers
+/// (the model's, or a pipeline stage's) and every KV head for `block_size` positions.
+fn kv_block_bytes(c: &LlamaConfig, block_size: usize, layers: usize) -> u64 {
     let layout = KvLayout {
         block_size,
         kv_heads: c.n_kv_heads,
         head_dim: c.head_dim,
     };
-    (c.n_layers * layout.block_bytes()) as u64
+    (layers * layout.block_bytes()) as u64
 }
 
 /// How many blocks of `per_block` bytes fit in `bytes` (`--kv-memory`).
@@ -59,14 +76,23 @@ fn blocks_in(bytes: u64, per_block: u64) -> anyhow::Result<usize> {
     Ok(blocks)
 }
 
-/// Refuses a group of more than one rank: with a clear message naming the model's
-/// numbers when the model cannot be split as asked, and otherwise because serving does
-/// not split the forward pass across ranks yet, rather than let every pod of a group
-/// serve the whole model alone.
-fn check_group(args: &ServeArgs, file: &GgufFile, config: &LlamaConfig) -> anyhow::Result<()> {
+/// This process's place in a parallel group.
+struct Group {
+    layout: ParallelLayout,
+    tcp: TcpConfig,
+}
+
+/// The group the flags describe, or `None` for a single process. A model that cannot
+/// be split as asked is refused naming the model's numbers; tensor parallelism and the
+/// CUDA backend are refused because serving runs pipeline stages on the CPU only.
+fn plan_group(
+    args: &ServeArgs,
+    file: &GgufFile,
+    config: &LlamaConfig,
+) -> anyhow::Result<Option<Group>> {
     let group = &args.group;
     if group.is_single_process() {
-        return Ok(());
+        return Ok(None);
     }
     let shape = ModelShape::from_tensors(config, file.tensors());
     let layout = ParallelLayout::new(
@@ -75,13 +101,35 @@ fn check_group(args: &ServeArgs, file: &GgufFile, config: &LlamaConfig) -> anyho
         group.pipeline_parallel as usize,
     )
     .with_context(|| format!("splitting {} over the group", args.model.display()))?;
-    anyhow::bail!(
-        "--tensor-parallel {} × --pipeline-parallel {}: this model splits into {} ranks, but \
-serving does not run a forward pass across ranks yet (issue #15); run one process per replica",
+    anyhow::ensure!(
+        group.tensor_parallel == 1,
+        "--tensor-parallel {}: this model splits into {} ranks, but serving runs pipeline \
+stages only; tensor parallelism is not wired into the forward pass yet (issue #15)",
         group.tensor_parallel,
-        group.pipeline_parallel,
         layout.world_size()
-    )
+    );
+    anyhow::ensure!(
+        args.device != DeviceChoice::Cuda,
+        "--pipeline-parallel {} runs on the CPU backend only for now, not --device cuda",
+        group.pipeline_parallel
+    );
+    let tcp = TcpConfig::from_args(group)?
+        .context("a group of several ranks without a leader address")?;
+    Ok(Some(Group { layout, tcp }))
+}
+
+/// A worker rank: loads its stage, joins the group and computes the leader's steps
+/// until the leader ends the group (`Ok`) or the group fails (an error naming the
+/// rank to blame, and a non-zero exit).
+fn serve_worker(file: &GgufFile, group: &Group, cpu: &CpuConfig) -> anyhow::Result<()> {
+    let rank = group.tcp.rank;
+    let mut stage = StageRunner::load(file, &group.layout, rank, cpu)?;
+    tracing::info!(rank, layers = ?stage.layout().layers, leader = %group.tcp.leader, "stage loaded; joining the group");
+    let transport = TcpTransport::join(&group.tcp).context("joining the parallel group")?;
+    run_worker(transport, &mut stage)
+        .with_context(|| format!("rank {rank} of the parallel group"))?;
+    tracing::info!(rank, "the leader ended the group; exiting");
+    Ok(())
 }
 
 /// Runs the server until drained.
@@ -110,7 +158,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             .context("--chat-template")?;
     let model_config = LlamaConfig::from_gguf(&file)
         .with_context(|| format!("loading {}", args.model.display()))?;
-    check_group(args, &file, &model_config)?;
+    let group = plan_group(args, &file, &model_config)?;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
             .file_stem()
@@ -131,24 +179,46 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let trained = model_config.context_length;
     let max_model_len = args.max_model_len.unwrap_or(trained).min(trained);
     let block_size = CpuConfig::default().block_size;
+    // Every stage has the same blocks (their ids are the leader's), each holding its
+    // own layers: `--kv-memory` is what the largest stage may use.
+    let kv_layers = group.as_ref().map_or(model_config.n_layers, |g| {
+        g.layout
+            .stage_layers()
+            .iter()
+            .map(ExactSizeIterator::len)
+            .max()
+            .unwrap_or(0)
+    });
+    let per_block = kv_block_bytes(&model_config, block_size, kv_layers);
     // On the GPU, no size flag means "size the pool from free device memory".
     let gpu_blocks = match (args.kv_blocks, args.kv_memory) {
         (Some(b), _) => Some(b),
-        (None, Some(bytes)) => Some(blocks_in(bytes, kv_block_bytes(&model_config, block_size))?),
+        (None, Some(bytes)) => Some(blocks_in(bytes, per_block)?),
         (None, None) => None,
     };
     let cpu_blocks = match (args.kv_blocks, args.kv_memory) {
         (Some(b), _) => b,
-        (None, Some(bytes)) => blocks_in(bytes, kv_block_bytes(&model_config, block_size))?,
+        (None, Some(bytes)) => blocks_in(bytes, per_block)?,
         (None, None) => DEFAULT_KV_BLOCKS,
     };
+    let cpu = CpuConfig {
+        // 0: one worker per core.
+        threads: args.threads.map_or(0, usize::from),
+        num_blocks: cpu_blocks,
+        block_size,
+    };
+    anyhow::ensure!(
+        group.is_none() || adapters.is_empty(),
+        "LoRA adapters are not served by a parallel group yet ({} given)",
+        adapters.len()
+    );
+    if let Some(g) = &group
+        && !g.layout.rank(g.tcp.rank)?.is_leader()
+    {
+        return serve_worker(&file, g, &cpu);
+    }
     let options = BackendOptions {
-        cpu: CpuConfig {
-            // 0: one worker per core.
-            threads: args.threads.map_or(0, usize::from),
-            num_blocks: cpu_blocks,
-            block_size,
-        },
+        cpu: cpu.clone(),
         cuda: DeviceConfig {
             block_size,
             num_blocks: gpu_blocks,
@@ -157,8 +227,25 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         gpu: args.gpu.unwrap_or(0),
         adapters,
     };
-    let (runner, device) = select(args.device, &file, &options)
-        .with_context(|| format!("starting a backend for {}", args.model.display()))?;
+    let (runner, device, group_failures) = match &group {
+        None => {
+            let (runner, device) = select(args.device, &file, &options)
+                .with_context(|| format!("starting a backend for {}", args.model.display()))?;
+            (runner, device, None)
+        }
+        // The leader loads its stage, then forms the group: the workers load theirs
+        // before they join, so once it is formed every rank is ready to compute, and
+        // only then does the leader listen for requests.
+        Some(g) => {
+            let stage = StageRunner::load(&file, &g.layout, 0, &options.cpu)?;
+            let transport = TcpTransport::join(&g.tcp).context("forming the parallel group")?;
+            let runner =
+                PipelineRunner::new(stage, transport)?.with_keep_alive(g.tcp.step_timeout / 4);
+            let failures = runner.failures();
+            let runner: BoxedRunner = Box::new(runner);
+            (runner, Device::Cpu, Some(failures))
+        }
+    };
     tracing::info!(?device, "backend started");
     let g = runner.kv_geometry();
     let config = EngineConfig {
@@ -252,10 +339,13 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
         let local = listener.local_addr()?;
         tracing::info!(%local, model = %name, release = %args.release, blocks = g.num_blocks, max_output_tokens = args.max_output_tokens, "serving");
         println!("{}", slipway_contract::listening::line(local));
+        let group_failed = Arc::new(std::sync::OnceLock::new());
         let shutdown = {
             let state = Arc::clone(&state);
             let timeout = args.shutdown_timeout;
-            async move {
+            let group_failed = Arc::clone(&group_failed);
+            let (state_failed, engine_failed) = (Arc::clone(&state), engine.clone());
+            let drain = async move {
                 slipway_telemetry::stop_signal().await;
                 state.ready.store(false, Ordering::Relaxed);
                 tracing::info!(?timeout, "draining: admitting nothing new");
@@ -277,12 +367,43 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
                         .abort_all("the server shut down before this request finished (--shutdown-timeout-ms)")
                         .await;
                 }
+            };
+            // A failed group is a failed replica: not ready at once, every request
+            // ended with an explicit error, then the listener closes and the process
+            // exits non-zero (the operator recreates the group).
+            let failed = async move {
+                let Some(mut failures) = group_failures else {
+                    return std::future::pending().await;
+                };
+                // The guard `wait_for` returns is not `Send`: read it in one statement.
+                let reason = failures
+                    .wait_for(Option::is_some)
+                    .await
+                    .map(|r| r.clone().unwrap_or_default());
+                let Ok(reason) = reason else {
+                    return std::future::pending().await;
+                };
+                state_failed.ready.store(false, Ordering::Relaxed);
+                tracing::error!(%reason, "the parallel group failed; ending every request and exiting");
+                let _ = engine_failed
+                    .abort_all(format!("the parallel group failed: {reason}"))
+                    .await;
+                let _ = group_failed.set(reason);
+            };
+            async move {
+                tokio::select! {
+                    () = drain => {}
+                    () = failed => {}
+                }
             }
         };
         axum::serve(listener, router(state))
             .with_graceful_shutdown(shutdown)
             .await
             .context("serving")?;
+        if let Some(reason) = group_failed.get() {
+            anyhow::bail!("the parallel group failed: {reason}");
+        }
         tracing::info!("drained; exiting");
         Ok(())
     })
@@ -295,6 +416,8 @@ mod tests {
     #[test]
     fn kv_block_bytes_of_smollm2() {
         // 30 layers × (K + V) × 3 KV heads × 64 dims × 16 positions × 2 bytes.
-        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16), 368_640);
+        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 30), 368_640);
+        // A stage of 15 layers: half.
+        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 15), 184_320);
     }
 }

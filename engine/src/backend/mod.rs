@@ -427,6 +427,21 @@ pub trait ModelRunner {
     fn adapters(&self) -> &[Arc<LoraAdapter>] {
         &[]
     }
+    /// How often serving must call [`ModelRunner::idle`] while it has no step to
+    /// run; `None` (the default): never. A pipeline's leader needs it so its workers,
+    /// waiting for the next step, can tell an idle leader from a dead one.
+    fn idle_interval(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// Called while there is no step, at least every [`ModelRunner::idle_interval`].
+    ///
+    /// # Errors
+    /// [`BackendError::Group`] when a parallel group has failed.
+    fn idle(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     /// Runs one step and returns the logits asked for; see the module docs for the
     /// contract.
     ///

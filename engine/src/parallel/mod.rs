@@ -17,8 +17,9 @@
 //! - [`pipeline`]: pipeline parallelism on the CPU backend. [`StageRunner`] holds one
 //!   stage (its layers' weights only, its layers' KV blocks only, the leader's block
 //!   ids); [`PipelineRunner`] is the leader's [`crate::backend::ModelRunner`], running
-//!   stage 0 and driving the others; [`run_worker`] is a worker rank's loop. Logits
-//!   are bit-identical to the single process's (`tests/pipeline_parallel.rs`).
+//!   stage 0 and driving the others, with keep-alives while idle so waiting workers
+//!   can tell an idle leader from a dead one; [`run_worker`] is a worker rank's loop.
+//!   Logits are bit-identical to the single process's (`tests/pipeline_parallel.rs`).
 //!
 //! Rank numbering, shared with the contract's `--rank`: `rank = stage × tensor +
 //! tensor_rank`. Rank 0 is the leader: it serves HTTP, admits requests and runs the
@@ -42,13 +43,11 @@
 //!   projections, one all-reduce after each); the last stage's tensor ranks compute
 //!   their vocab slice of the logits and send it to the leader. [`StageRunner`]
 //!   refuses `tensor > 1` until then.
-//! - `serve`: the scheduler, admission and HTTP on the leader only, over a
-//!   [`PipelineRunner`]; workers run [`run_worker`]. The leader must send
-//!   [`PipelineRunner::keep_alive`] at least every half step timeout while idle, since
-//!   a worker waiting for work takes a silent leader for a dead one. Readiness: a
-//!   worker is ready once the group formed; the leader once the group formed and the
-//!   model loaded. A transport error ends the leader's in-flight requests with an
-//!   explicit error and exits every process non-zero.
+//! - `serve` runs pipeline groups (see `serve.rs`); what it lacks: a readiness
+//!   endpoint on workers (they serve no HTTP; "joined the group" is only in their
+//!   logs), LoRA adapters and the CUDA backend in a group.
+//! - `make bench-parallel` and its table (decode and prefill tok/s, bytes and µs per
+//!   step, resident set per rank) in `engine/BENCHMARKS.md`.
 //! - Sampling on the last stage, so a decode step sends the leader tokens instead of
 //!   a row of logits per sequence (196 KiB each for a 49,152-token vocabulary).
 //! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and

@@ -28,6 +28,9 @@
 //! bounds every wait by the step timeout, so no rank hangs on a dead peer.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
 
 use super::layout::{LayoutError, ParallelLayout, RankLayout};
 use super::step::{StepFrame, StepFrameError};
@@ -272,6 +275,11 @@ pub struct PipelineRunner<T: Transport<Tensor = [f32]>> {
     step: u64,
     /// The step frame's encoding buffer, reused.
     frame: Vec<u8>,
+    /// How often serving must call [`ModelRunner::idle`] while there is no step.
+    keep_alive: Option<Duration>,
+    /// Set once when the group fails (not when it is stopped), for whoever must act
+    /// on it: serving stops being ready and exits non-zero.
+    failure: watch::Sender<Option<String>>,
 }
 
 impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
@@ -293,7 +301,25 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
             failed: None,
             step: 0,
             frame: Vec::new(),
+            keep_alive: None,
+            failure: watch::Sender::new(None),
         })
+    }
+
+    /// Asks serving to send a keep-alive every `interval` while idle
+    /// ([`ModelRunner::idle_interval`]); a quarter of the step timeout leaves a worker
+    /// several chances to hear from a live leader before it gives up on it.
+    #[must_use]
+    pub fn with_keep_alive(mut self, interval: Duration) -> Self {
+        self.keep_alive = Some(interval);
+        self
+    }
+
+    /// Watches for the group's failure: the value turns from `None` to the reason,
+    /// once. A stopped group is not a failed one.
+    #[must_use]
+    pub fn failures(&self) -> watch::Receiver<Option<String>> {
+        self.failure.subscribe()
     }
 
     /// Tells every worker the leader is alive with no step to run. Serving calls it
@@ -313,14 +339,18 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
     /// [`BackendError::Group`] when the group had already failed.
     pub fn stop(&mut self) -> Result<(), BackendError> {
         self.broadcast(&StepFrame::Stop)?;
-        self.fail("the group was stopped".to_owned());
+        self.transport = None;
+        self.failed = Some("the group was stopped".to_owned());
         Ok(())
     }
 
     fn fail(&mut self, why: String) {
         // Closing the connections is what tells the workers, at once.
         self.transport = None;
-        self.failed.get_or_insert(why);
+        if self.failed.is_none() {
+            self.failure.send_replace(Some(why.clone()));
+            self.failed = Some(why);
+        }
     }
 
     fn transport(&mut self) -> Result<&mut T, BackendError> {
@@ -398,6 +428,14 @@ impl<T: Transport<Tensor = [f32]>> ModelRunner for PipelineRunner<T> {
 
     fn adapters(&self) -> &[Arc<LoraAdapter>] {
         self.stage.backend.adapters()
+    }
+
+    fn idle_interval(&self) -> Option<Duration> {
+        self.keep_alive
+    }
+
+    fn idle(&mut self) -> Result<(), BackendError> {
+        self.keep_alive()
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {

@@ -478,6 +478,30 @@ fn finished(a: &Active, reason: FinishReason, cached_tokens: usize) -> Event {
     }
 }
 
+/// The next command, waiting as long as it takes; meanwhile the runner hears from
+/// the actor every [`ModelRunner::idle_interval`] (a pipeline's keep-alive).
+async fn next_command(
+    rx: &mut mpsc::Receiver<Command>,
+    runner: &mut BoxedRunner,
+) -> Option<Command> {
+    let Some(every) = runner.idle_interval() else {
+        return rx.recv().await;
+    };
+    loop {
+        match tokio::time::timeout(every, rx.recv()).await {
+            Ok(cmd) => return cmd,
+            // A keep-alive is a few bytes on a socket: not worth a blocking thread.
+            Err(_elapsed) => {
+                if let Err(error) = runner.idle() {
+                    // The runner reports its own failure (a failed group ends
+                    // serving); the next step would fail with the same error.
+                    tracing::debug!(%error, "keep-alive failed");
+                }
+            }
+        }
+    }
+}
+
 async fn run(
     mut runner: BoxedRunner,
     mut a: Actor,
@@ -486,7 +510,7 @@ async fn run(
 ) -> BoxedRunner {
     'outer: loop {
         if a.s.is_idle() {
-            match rx.recv().await {
+            match next_command(&mut rx, &mut runner).await {
                 Some(cmd) => handle(cmd, &mut a),
                 None => break 'outer,
             }
@@ -506,7 +530,7 @@ async fn run(
             // Nothing runnable (everything just finished or was cancelled): wait for
             // the next command instead of spinning.
             if !a.s.is_idle() {
-                match rx.recv().await {
+                match next_command(&mut rx, &mut runner).await {
                     Some(cmd) => handle(cmd, &mut a),
                     None => break 'outer,
                 }

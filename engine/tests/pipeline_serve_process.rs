@@ -1,0 +1,170 @@
+//! `slipway-engine serve --pipeline-parallel 2` as two real processes on the real
+//! SmolLM2 model (issue #15): rank 1 computes the second half of the layers, rank 0
+//! serves HTTP. A chat completion equals the single process's greedy output; killing
+//! the worker mid-stream ends the stream with an explicit error naming it and the
+//! leader exits non-zero. Waits are bounds that keep a broken build from hanging,
+//! never assertions on time.
+
+use std::net::TcpListener;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use slipway_contract::ServeArgs;
+use slipway_engine::testing::{ChildGuard, EngineProcess, read_sse, serve_args};
+
+const MODEL: &str = "smol";
+
+/// Each test starts its own processes; on a small machine, one test at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn args(extra: &[&str]) -> ServeArgs {
+    ServeArgs {
+        max_model_len: Some(1024),
+        kv_blocks: Some(256),
+        ..serve_args(MODEL)
+    }
+    .with_extra_args(extra)
+    .unwrap_or_else(|e| panic!("{extra:?}: {e}"))
+}
+
+/// A port nobody listens on now, for the leader's group address.
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    listener.local_addr().expect("its address").port()
+}
+
+/// Starts rank 1 (no HTTP, so not an [`EngineProcess`]) and rank 0, which prints its
+/// readiness line only once the group formed.
+fn pipeline_2() -> (EngineProcess, ChildGuard) {
+    pipeline_2_with(&[])
+}
+
+/// [`pipeline_2`] with `extra` flags on both ranks.
+fn pipeline_2_with(extra: &[&str]) -> (EngineProcess, ChildGuard) {
+    let leader = format!("127.0.0.1:{}", free_port());
+    let group = |rank: &'static str| {
+        let mut flags = vec![
+            "--pipeline-parallel",
+            "2",
+            "--rank",
+            rank,
+            "--leader-address",
+            &leader,
+        ];
+        flags.extend_from_slice(extra);
+        args(&flags)
+    };
+    let mut command = EngineProcess::command(&group("1"));
+    let worker = ChildGuard::spawn("rank 1", command.stdin(Stdio::null()).stdout(Stdio::null()))
+        .unwrap_or_else(|e| panic!("{e}"));
+    (EngineProcess::spawn(&group("0")), worker)
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .expect("client")
+}
+
+fn chat(content: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+           "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+}
+
+async fn answer(c: &reqwest::Client, server: &EngineProcess, body: &Value) -> String {
+    let r = c
+        .post(server.url("/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.expect("JSON");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content in {v}"))
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pipeline_of_two_processes_answers_as_one_and_fails_as_one() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let c = client();
+    let body = chat("Name three facts about the Moon.", 40, false);
+    let want = {
+        let single = EngineProcess::spawn(&args(&[]));
+        answer(&c, &single, &body).await
+    };
+    let (mut leader, mut worker) = pipeline_2();
+    let ready = c
+        .get(leader.url("/ready"))
+        .send()
+        .await
+        .expect("GET /ready");
+    assert_eq!(ready.status(), 200);
+    let got = answer(&c, &leader, &body).await;
+    assert_eq!(got, want, "pipeline 2 answers otherwise than one process");
+    println!("pipeline 2 and the single process both answer {got:?}");
+    worker.ensure_running().expect("rank 1 is still serving");
+
+    // Kill rank 1 once a long stream is under way.
+    let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let streaming = {
+        let (c, url) = (c.clone(), leader.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            let resp = c
+                .post(url)
+                .json(&chat("Tell me a very long story.", 400, true))
+                .send()
+                .await
+                .expect("POST");
+            read_sse(resp, || {
+                let _ = tx.send(());
+            })
+            .await
+        })
+    };
+    started.recv().await.expect("the stream started");
+    worker.kill();
+    let chunks = streaming.await.expect("stream task");
+    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
+    let err: Value =
+        serde_json::from_str(&chunks[chunks.len() - 2]).expect("an error object before [DONE]");
+    let message = err["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("rank 1"), "{err}");
+    let status = leader
+        .exit_within(Duration::from_secs(60))
+        .await
+        .expect("the leader exits once its group failed");
+    assert!(!status.success(), "the leader exited {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drained_leader_ends_its_workers_cleanly_and_a_dead_one_fails_them() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let within = Duration::from_secs(60);
+    // Idle for longer than the step timeout: the leader's keep-alives tell the
+    // waiting worker it is alive, and the group still serves. (The wait is the
+    // condition under test, not a synchronisation.)
+    let (mut leader, mut worker) = pipeline_2_with(&["--step-timeout-ms", "2000"]);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    worker
+        .ensure_running()
+        .expect("rank 1 outlived an idle leader");
+    let c = client();
+    let got = answer(&c, &leader, &chat("Hi!", 8, false)).await;
+    assert!(!got.is_empty());
+    // SIGTERM: the leader drains, tells the group to stop, and both exit 0.
+    leader.sigterm();
+    let status = leader.exit_within(within).await.expect("the leader exits");
+    assert!(status.success(), "the leader exited {status:?}");
+    let status = worker.exit_within(within).await.expect("rank 1 exits");
+    assert!(status.success(), "rank 1 exited {status:?}");
+    // SIGKILL: the worker finds its leader gone and exits non-zero.
+    let (mut leader, mut worker) = pipeline_2();
+    leader.kill();
+    let status = worker.exit_within(within).await.expect("rank 1 exits");
+    assert!(!status.success(), "rank 1 exited {status:?}");
+}
