@@ -22,7 +22,7 @@ use slipway_engine::parallel::{
     ModelShape, ParallelLayout, PipelineError, PipelineRunner, StageRunner, TcpConfig,
     TcpTransport, Transport, TransportError, run_worker,
 };
-use slipway_engine::sampling::argmax;
+use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
 use slipway_engine::testing::{model_path, oracle};
 use slipway_engine::tokenizer::Tokenizer;
 
@@ -368,6 +368,98 @@ fn pipeline_2_serves_16_concurrent_sequences_as_the_single_process_does_alone() 
     }
     println!("pipeline 2, 16 sequences batched vs alone: max |Δlogit| = {max}");
     assert_eq!(max, 0.0, "batched pipeline logits differ from solo runs");
+    finish(runner, workers);
+}
+
+#[test]
+fn pipeline_2_samples_on_its_last_stage_as_the_single_process_does() {
+    let oracle = oracle();
+    let prompts: Vec<&[u32]> = oracle
+        .prompts
+        .iter()
+        .take(4)
+        .map(|p| p.prompt_tokens.as_slice())
+        .collect();
+    // Greedy with a log-probability; seeded temperature, top-k and top-p with a
+    // fresh draw each step; greedy under every penalty (reading the history); and a
+    // sequence that samples nothing.
+    let sampling = |step: usize, history: &[Vec<u32>]| -> Vec<Option<SeqSampling>> {
+        let base = |params: SamplingParams, uniform, history: Vec<u32>, logprob| SeqSampling {
+            params,
+            uniform,
+            history,
+            stop_tokens: vec![2],
+            logprob,
+        };
+        vec![
+            Some(base(SamplingParams::default(), None, Vec::new(), true)),
+            Some(base(
+                SamplingParams {
+                    temperature: 0.8,
+                    top_k: 40,
+                    top_p: 0.95,
+                    seed: 7,
+                    ..SamplingParams::default()
+                },
+                Some((0.11 + 0.37 * step as f64).fract()),
+                Vec::new(),
+                false,
+            )),
+            Some(base(
+                SamplingParams {
+                    repetition_penalty: 1.3,
+                    frequency_penalty: 0.4,
+                    presence_penalty: 0.2,
+                    ..SamplingParams::default()
+                },
+                None,
+                history[2].clone(),
+                true,
+            )),
+            None,
+        ]
+    };
+    let mut whole = single();
+    let (mut runner, workers) = group(2);
+    let mut alloc = BlockAllocator::new(BLOCKS);
+    let steps = 6;
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut t = Vec::new();
+            alloc.ensure(&mut t, p.len() + steps, 16).expect("blocks");
+            t
+        })
+        .collect();
+    let mut history: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+    let mut sampled = 0;
+    for step in 0..steps {
+        let batch = Batch {
+            seqs: (0..prompts.len())
+                .map(|i| {
+                    let (tokens, start) = if step == 0 {
+                        (prompts[i].to_vec(), 0)
+                    } else {
+                        (
+                            vec![*history[i].last().expect("a token")],
+                            history[i].len() - 1,
+                        )
+                    };
+                    chunk(&tokens, start, &tables[i], LogitsWanted::Last)
+                })
+                .collect(),
+        };
+        let sampling = sampling(step, &history);
+        let want = whole.execute(&batch, &sampling).expect("single process");
+        let got = runner.execute(&batch, &sampling).expect("pipeline 2");
+        assert_eq!(got, want, "step {step}: sampled otherwise");
+        for (i, s) in want.sampled.iter().enumerate() {
+            // The sequence that samples nothing is fed a fixed token.
+            history[i].push(s.map_or(1, |s| s.token));
+            sampled += usize::from(s.is_some());
+        }
+    }
+    println!("pipeline 2 sampled {sampled} tokens on its last stage, all as the single process");
     finish(runner, workers);
 }
 

@@ -48,8 +48,6 @@
 //!   logs), LoRA adapters and the CUDA backend in a group.
 //! - `make bench-parallel` and its table (decode and prefill tok/s, bytes and µs per
 //!   step, resident set per rank) in `engine/BENCHMARKS.md`.
-//! - Sampling on the last stage, so a decode step sends the leader tokens instead of
-//!   a row of logits per sequence (196 KiB each for a 49,152-token vocabulary).
 //! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and
 //!   `--leader-address` per pod (and own them against `release.engine.args`); the
 //!   group's headless Service must publish not-ready addresses so workers can resolve

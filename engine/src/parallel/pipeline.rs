@@ -8,8 +8,11 @@
 //!    (`tokens × dim` f32) to stage 1; each stage runs its layers on what it
 //!    receives and passes the result on;
 //! 3. the last stage applies the final norm and the output head to the rows the
-//!    batch asked logits for, and sends those rows (only those) to the leader, which
-//!    samples them as a single process does.
+//!    batch asked logits for. Serving's steps ([`ModelRunner::execute`]) carry each
+//!    sequence's sampling, and the last stage samples beside its logits and sends the
+//!    leader only the tokens (11 bytes a sequence, where a logits row of SmolLM2 is
+//!    192 KiB); a [`ModelRunner::forward`] step sends the rows asked for (only
+//!    those) to the leader.
 //!
 //! Block ids come from the leader's scheduler and are valid on every stage: every
 //! stage's KV store has the same number of blocks, each holding its own layers only.
@@ -33,13 +36,19 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::layout::{LayoutError, ParallelLayout, RankLayout};
-use super::step::{StepFrame, StepFrameError};
+use super::step::{
+    IncomingStep, OutgoingStep, StepFrame, StepFrameError, decode_sampled, encode_sampled,
+};
 use super::transport::{FrameKind, Transport, TransportError};
 use crate::backend::cpu::{CpuBackend, CpuConfig, StageInput, StageOutput};
-use crate::backend::{BackendError, Batch, KvGeometry, Logits, ModelRunner};
+use crate::backend::{
+    BackendError, Batch, KvGeometry, Logits, ModelOutput, ModelRunner, sample_on_host,
+    validate_sampling,
+};
 use crate::model::gguf::GgufFile;
 use crate::model::llama::{LlamaConfig, LlamaWeights, ModelError, ModelPart};
 use crate::model::lora::LoraAdapter;
+use crate::sampling::SeqSampling;
 
 /// Why a pipeline stage could not start, or a worker stopped serving steps.
 #[derive(Debug, thiserror::Error)]
@@ -219,13 +228,14 @@ pub fn run_worker<T: Transport<Tensor = [f32]>>(
         });
     }
     let dim = stage.backend.config().dim;
-    let mut hidden = Vec::new();
+    let (mut hidden, mut reply) = (Vec::new(), Vec::new());
     for step in 1u64.. {
         let frame = transport.recv_bytes(0, step, FrameKind::Batch)?;
-        let batch = match StepFrame::decode(frame)
+        let (batch, sampling) = match IncomingStep::decode(frame)
             .map_err(|source| PipelineError::Frame { step, source })?
         {
-            StepFrame::Run(batch) => batch,
+            StepFrame::Run(batch) => (batch, None),
+            StepFrame::Sample(batch, sampling) => (batch, Some(sampling)),
             StepFrame::Idle => continue,
             StepFrame::Stop => {
                 tracing::info!(rank = me.rank, step, "the leader stopped the group");
@@ -235,6 +245,9 @@ pub fn run_worker<T: Transport<Tensor = [f32]>>(
         let fail = |source| PipelineError::Step { step, source };
         // Checked before sizing the receive buffer by the batch's token count.
         stage.backend.validate(&batch).map_err(fail)?;
+        if let Some(sampling) = &sampling {
+            validate_sampling(&batch, sampling).map_err(fail)?;
+        }
         let input = match me.receives_from {
             Some(from) => {
                 hidden.resize(batch.num_tokens() * dim, 0.0);
@@ -251,9 +264,16 @@ pub fn run_worker<T: Transport<Tensor = [f32]>>(
                 })?;
                 transport.send_tensor(to, step, FrameKind::Hidden, x)?;
             }
-            StageOutput::Logits(logits) => {
-                transport.send_tensor(0, step, FrameKind::Logits, &logits.data)?;
-            }
+            StageOutput::Logits(logits) => match &sampling {
+                // Sampled here, beside the logits: only the tokens go back.
+                Some(sampling) => {
+                    let output = sample_on_host(&logits, sampling);
+                    encode_sampled(&output, &mut reply)
+                        .map_err(|source| PipelineError::Frame { step, source })?;
+                    transport.send_bytes(0, step, FrameKind::Sampled, &reply)?;
+                }
+                None => transport.send_tensor(0, step, FrameKind::Logits, &logits.data)?,
+            },
         }
     }
     Ok(())
@@ -364,7 +384,7 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
     }
 
     /// Sends `frame` to every worker as the next step; returns its step id.
-    fn broadcast(&mut self, frame: &StepFrame<&Batch>) -> Result<u64, BackendError> {
+    fn broadcast(&mut self, frame: &OutgoingStep<'_>) -> Result<u64, BackendError> {
         frame
             .encode(&mut self.frame)
             .map_err(|e| BackendError::InvalidBatch(e.to_string()))?;
@@ -385,14 +405,14 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
         sent.map(|()| step)
     }
 
-    /// The step after the broadcast: stage 0 here, the logits from the last stage.
-    fn run(&mut self, batch: &Batch, step: u64) -> Result<Logits, BackendError> {
+    /// Stage 0 of a step already broadcast: runs here, its hidden states to stage 1.
+    /// Returns the transport, for the step's reply.
+    fn run_stage_0(&mut self, batch: &Batch, step: u64) -> Result<&mut T, BackendError> {
         let next = self
             .stage
             .layout
             .sends_to
             .ok_or_else(|| BackendError::Stage("the leader's stage has no next".into()))?;
-        let head_rank = self.stage.head_rank;
         let transport = match (&mut self.transport, &self.failed) {
             (Some(t), None) => t,
             _ => return Err(BackendError::Stage("the group failed".into())),
@@ -409,11 +429,51 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
                 ));
             }
         }
+        Ok(transport)
+    }
+
+    /// A step whose last stage returns its logits.
+    fn run_for_logits(&mut self, batch: &Batch, step: u64) -> Result<Logits, BackendError> {
+        let (head_rank, vocab) = (self.stage.head_rank, self.stage.backend.config().vocab);
         let (rows, spans) = batch.logits_rows();
-        let vocab = self.stage.backend.config().vocab;
         let mut data = vec![0f32; rows.len() * vocab];
-        transport.recv_tensor(head_rank, step, FrameKind::Logits, &mut data)?;
+        self.run_stage_0(batch, step)?.recv_tensor(
+            head_rank,
+            step,
+            FrameKind::Logits,
+            &mut data,
+        )?;
         Ok(Logits { vocab, data, spans })
+    }
+
+    /// A step whose last stage samples and returns the tokens.
+    fn run_for_tokens(&mut self, batch: &Batch, step: u64) -> Result<ModelOutput, BackendError> {
+        let head_rank = self.stage.head_rank;
+        let reply =
+            self.run_stage_0(batch, step)?
+                .recv_bytes(head_rank, step, FrameKind::Sampled)?;
+        decode_sampled(reply, batch.seqs.len()).map_err(|e| {
+            BackendError::Group(TransportError::Protocol {
+                rank: head_rank,
+                phase: super::transport::Phase::Step(step),
+                detail: format!("an unreadable sampled reply: {e}"),
+            })
+        })
+    }
+
+    /// Runs `step` (already broadcast) through `run`, failing the group on an error:
+    /// the workers are mid-step, and only that ends it for them.
+    fn finish_step<R>(
+        &mut self,
+        step: u64,
+        run: impl FnOnce(&mut Self) -> Result<R, BackendError>,
+    ) -> Result<R, BackendError> {
+        let out = run(self);
+        if let Err(e) = &out {
+            tracing::error!(step, error = %e, "pipeline step failed; failing the group");
+            self.fail(e.to_string());
+        }
+        out
     }
 }
 
@@ -449,13 +509,23 @@ impl<T: Transport<Tensor = [f32]>> ModelRunner for PipelineRunner<T> {
             });
         }
         let step = self.broadcast(&StepFrame::Run(batch))?;
-        let out = self.run(batch, step);
-        if let Err(e) = &out {
-            // The workers are mid-step: only failing the group ends it for them.
-            tracing::error!(step, error = %e, "pipeline step failed; failing the group");
-            self.fail(e.to_string());
+        self.finish_step(step, |r| r.run_for_logits(batch, step))
+    }
+
+    /// Samples on the last stage, beside its logits: a decode step sends the leader a
+    /// few bytes per sequence instead of a row of logits.
+    fn execute(
+        &mut self,
+        batch: &Batch,
+        sampling: &[Option<SeqSampling>],
+    ) -> Result<ModelOutput, BackendError> {
+        validate_sampling(batch, sampling)?;
+        self.stage.backend.validate(batch)?;
+        if batch.seqs.is_empty() {
+            return Ok(ModelOutput::default());
         }
-        out
+        let step = self.broadcast(&StepFrame::Sample(batch, sampling))?;
+        self.finish_step(step, |r| r.run_for_tokens(batch, step))
     }
 }
 

@@ -23,6 +23,8 @@ pub enum FrameKind {
     Hidden,
     /// A slice of the output head's logits, from a last-stage rank to the leader.
     Logits,
+    /// The tokens the last stage sampled, to the leader.
+    Sampled,
 }
 
 impl fmt::Display for FrameKind {
@@ -31,6 +33,7 @@ impl fmt::Display for FrameKind {
             Self::Batch => "batch",
             Self::Hidden => "hidden states",
             Self::Logits => "logits",
+            Self::Sampled => "sampled tokens",
         })
     }
 }
