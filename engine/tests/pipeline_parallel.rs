@@ -564,7 +564,9 @@ fn a_worker_dying_mid_step_fails_the_leaders_step_naming_it() {
     let prefill = Batch {
         seqs: vec![chunk(prompt, 0, &table, LogitsWanted::Last)],
     };
+    let failures = runner.failures();
     runner.forward(&prefill).expect("step 1 runs");
+    assert_eq!(*failures.borrow(), None);
     let decode = Batch {
         seqs: vec![chunk(&[1], prompt.len(), &table, LogitsWanted::Last)],
     };
@@ -575,9 +577,14 @@ fn a_worker_dying_mid_step_fails_the_leaders_step_naming_it() {
     assert_eq!(transport.blamed(), [1], "{err}");
     assert!(err.to_string().contains("rank 1"), "{err}");
     println!("the leader's step 2 failed with: {err}");
-    // The group is done: later steps fail at once, naming the cause.
+    // The group is done: later steps fail at once with the same error, and whoever
+    // watches the group (serving) has been told.
     let again = runner.forward(&decode).expect_err("the group failed");
-    assert!(again.to_string().contains("rank 1"), "{again}");
+    assert_eq!(again.to_string(), err.to_string());
+    assert_eq!(
+        failures.borrow().as_deref(),
+        Some(transport.to_string().as_str())
+    );
     let worker = workers.remove(0).join().expect("the worker's thread");
     let err = worker.expect_err("the worker lost its links");
     assert!(err.to_string().contains("test dropped"), "{err}");

@@ -289,8 +289,9 @@ pub struct PipelineRunner<T: Transport<Tensor = [f32]>> {
     stage: StageRunner,
     /// `None` once the group failed (dropping it closed the connections).
     transport: Option<T>,
-    /// Why the group failed, for the steps asked after.
-    failed: Option<String>,
+    /// Why the group ended (failed, or stopped): every step asked after returns it,
+    /// blaming the same rank as the first error did.
+    failed: Option<TransportError>,
     /// The last step id sent.
     step: u64,
     /// The step frame's encoding buffer, reused.
@@ -360,26 +361,36 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
     pub fn stop(&mut self) -> Result<(), BackendError> {
         self.broadcast(&StepFrame::Stop)?;
         self.transport = None;
-        self.failed = Some("the group was stopped".to_owned());
+        self.failed = Some(TransportError::Usage("the group was stopped".to_owned()));
         Ok(())
     }
 
-    fn fail(&mut self, why: String) {
+    fn fail(&mut self, error: &BackendError) {
         // Closing the connections is what tells the workers, at once.
         self.transport = None;
         if self.failed.is_none() {
-            self.failure.send_replace(Some(why.clone()));
-            self.failed = Some(why);
+            let error = match error {
+                BackendError::Group(e) => e.clone(),
+                other => TransportError::Local(format!("a step failed on the leader: {other}")),
+            };
+            self.failure.send_replace(Some(error.to_string()));
+            self.failed = Some(error);
         }
+    }
+
+    /// The error of a step asked once the group has ended.
+    fn ended(failed: Option<&TransportError>) -> BackendError {
+        BackendError::Group(
+            failed
+                .cloned()
+                .unwrap_or_else(|| TransportError::Local("the group has no links".to_owned())),
+        )
     }
 
     fn transport(&mut self) -> Result<&mut T, BackendError> {
         match (&mut self.transport, &self.failed) {
             (Some(t), None) => Ok(t),
-            (_, why) => Err(BackendError::Group(TransportError::Local(format!(
-                "the group failed earlier: {}",
-                why.as_deref().unwrap_or("unknown")
-            )))),
+            (_, failed) => Err(Self::ended(failed.as_ref())),
         }
     }
 
@@ -400,7 +411,7 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
         self.frame = frame;
         self.step = step;
         if let Err(e) = &sent {
-            self.fail(e.to_string());
+            self.fail(e);
         }
         sent.map(|()| step)
     }
@@ -415,7 +426,7 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
             .ok_or_else(|| BackendError::Stage("the leader's stage has no next".into()))?;
         let transport = match (&mut self.transport, &self.failed) {
             (Some(t), None) => t,
-            _ => return Err(BackendError::Stage("the group failed".into())),
+            (_, failed) => return Err(Self::ended(failed.as_ref())),
         };
         match self
             .stage
@@ -471,7 +482,7 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
         let out = run(self);
         if let Err(e) = &out {
             tracing::error!(step, error = %e, "pipeline step failed; failing the group");
-            self.fail(e.to_string());
+            self.fail(e);
         }
         out
     }
