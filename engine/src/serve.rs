@@ -121,9 +121,12 @@ stages only; tensor parallelism is not wired into the forward pass yet (issue #1
 /// A worker rank: loads its stage, joins the group and computes the leader's steps
 /// until the leader ends the group (`Ok`) or the group fails (an error naming the
 /// rank to blame, and a non-zero exit).
-fn serve_worker(file: &GgufFile, group: &Group, cpu: &CpuConfig) -> anyhow::Result<()> {
+fn serve_worker(file: GgufFile, group: &Group, cpu: &CpuConfig) -> anyhow::Result<()> {
     let rank = group.tcp.rank;
-    let mut stage = StageRunner::load(file, &group.layout, rank, cpu)?;
+    let mut stage = StageRunner::load(&file, &group.layout, rank, cpu)?;
+    // As in `run_serve`: the stage's weights are copied out; unmapping returns the
+    // pages read while loading them.
+    drop(file);
     tracing::info!(rank, layers = ?stage.layout().layers, leader = %group.tcp.leader, "stage loaded; joining the group");
     let transport = TcpTransport::join(&group.tcp).context("joining the parallel group")?;
     run_worker(transport, &mut stage)
@@ -215,7 +218,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     if let Some(g) = &group
         && !g.layout.rank(g.tcp.rank)?.is_leader()
     {
-        return serve_worker(&file, g, &cpu);
+        return serve_worker(file, g, &cpu);
     }
     let options = BackendOptions {
         cpu: cpu.clone(),
@@ -246,6 +249,11 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             (runner, Device::Cpu, Some(failures))
         }
     };
+    // Every backend copies what it needs out of the file (repacked for the kernels,
+    // or uploaded to the device). Unmapping it returns the pages read while loading,
+    // so what stays resident is the packed weights and the KV store: a pipeline
+    // stage's own, which is how memory per rank falls with the split.
+    drop(file);
     tracing::info!(?device, "backend started");
     let g = runner.kv_geometry();
     let config = EngineConfig {
