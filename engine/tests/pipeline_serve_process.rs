@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use slipway_contract::ServeArgs;
-use slipway_engine::testing::{ChildGuard, EngineProcess, read_sse, serve_args};
+use slipway_engine::testing::{ChildGuard, EngineProcess, read_sse, refused, serve_args};
 
 const MODEL: &str = "smol";
 
@@ -167,4 +167,41 @@ async fn a_drained_leader_ends_its_workers_cleanly_and_a_dead_one_fails_them() {
     leader.kill();
     let status = worker.exit_within(within).await.expect("rank 1 exits");
     assert!(!status.success(), "rank 1 exited {status:?}");
+}
+
+#[test]
+fn groups_that_cannot_form_or_be_split_are_refused_naming_why() {
+    let leader = format!("127.0.0.1:{}", free_port());
+    let group = |extra: &[&str]| {
+        let mut flags = vec![
+            "--leader-address",
+            leader.as_str(),
+            "--rendezvous-timeout-ms",
+            "500",
+        ];
+        flags.extend_from_slice(extra);
+        EngineProcess::command(&args(&flags))
+    };
+    // Rank 1 never starts: the leader's rendezvous fails naming it.
+    let (status, stderr) = refused(group(&["--pipeline-parallel", "2", "--rank", "0"]));
+    assert!(!status.success(), "{status:?}");
+    assert!(stderr.contains("rank(s) 1 did not join"), "{stderr}");
+    // Rank 1 without a leader: it fails naming rank 0.
+    let (status, stderr) = refused(group(&["--pipeline-parallel", "2", "--rank", "1"]));
+    assert!(!status.success(), "{status:?}");
+    assert!(stderr.contains("the leader (rank 0)"), "{stderr}");
+    // SmolLM2's 3 KV heads do not split over 2 tensor ranks.
+    let (status, stderr) = refused(group(&["--tensor-parallel", "2"]));
+    assert!(!status.success(), "{status:?}");
+    assert!(
+        stderr.contains("tensor 2 does not divide the model's 3 KV heads (9 query heads)"),
+        "{stderr}"
+    );
+    // Tensor 3 splits the model, but serving runs pipeline stages only.
+    let (status, stderr) = refused(group(&["--tensor-parallel", "3"]));
+    assert!(!status.success(), "{status:?}");
+    assert!(
+        stderr.contains("tensor parallelism is not wired"),
+        "{stderr}"
+    );
 }
