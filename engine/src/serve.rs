@@ -12,9 +12,9 @@
 //!
 //! Pipeline groups (`--pipeline-parallel N`, issue #15): every rank loads only its
 //! stage's layers. A worker (`--rank` > 0) joins the group at `--leader-address` and
-//! computes the leader's steps ([`slipway_engine::parallel::run_worker`]); it serves no
-//! HTTP, exits 0 when the leader ends the group (the leader drained) and non-zero
-//! when the group fails. The leader (rank 0) loads stage 0, forms the group (the
+//! computes the leader's steps ([`slipway_engine::parallel::run_worker`]); it serves
+//! only the probes (`/ready` once the group formed), exits 0 when the leader ends the
+//! group (the leader drained) and non-zero when the group fails. The leader (rank 0) loads stage 0, forms the group (the
 //! workers join only once loaded) and only then listens, so it is ready exactly when
 //! every rank joined and loaded; it runs the scheduler, admission and HTTP over a
 //! [`slipway_engine::parallel::PipelineRunner`], sending keep-alives every quarter
@@ -26,7 +26,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -121,18 +121,67 @@ stages only; tensor parallelism is not wired into the forward pass yet (issue #1
 /// A worker rank: loads its stage, joins the group and computes the leader's steps
 /// until the leader ends the group (`Ok`) or the group fails (an error naming the
 /// rank to blame, and a non-zero exit).
-fn serve_worker(file: GgufFile, group: &Group, cpu: &CpuConfig) -> anyhow::Result<()> {
+///
+/// It serves no API, only the probes on `--host`/`--port`: `/health` from the start,
+/// `/ready` once the group formed (every rank joined and loaded) and until it ends.
+/// The readiness line is printed once the stage is loaded and the probes answer.
+fn serve_worker(
+    args: &ServeArgs,
+    file: GgufFile,
+    group: &Group,
+    cpu: &CpuConfig,
+) -> anyhow::Result<()> {
     let rank = group.tcp.rank;
+    // One thread answers the probes; the steps run on this one and the stage's pool.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr()?;
+    let joined = Arc::new(AtomicBool::new(false));
+    let probes = worker_probes(Arc::clone(&joined));
+    rt.spawn(async move {
+        if let Err(error) = axum::serve(listener, probes).await {
+            tracing::error!(%error, "the probe endpoint failed");
+        }
+    });
     let mut stage = StageRunner::load(&file, &group.layout, rank, cpu)?;
     // As in `run_serve`: the stage's weights are copied out; unmapping returns the
     // pages read while loading them.
     drop(file);
-    tracing::info!(rank, layers = ?stage.layout().layers, leader = %group.tcp.leader, "stage loaded; joining the group");
+    tracing::info!(rank, layers = ?stage.layout().layers, leader = %group.tcp.leader, %local, "stage loaded; joining the group");
+    println!("{}", slipway_contract::listening::line(local));
     let transport = TcpTransport::join(&group.tcp).context("joining the parallel group")?;
-    run_worker(transport, &mut stage)
-        .with_context(|| format!("rank {rank} of the parallel group"))?;
+    joined.store(true, Ordering::Relaxed);
+    let result = run_worker(transport, &mut stage);
+    joined.store(false, Ordering::Relaxed);
+    result.with_context(|| format!("rank {rank} of the parallel group"))?;
     tracing::info!(rank, "the leader ended the group; exiting");
     Ok(())
+}
+
+/// A worker's probes: alive always, ready while it is in a formed group.
+fn worker_probes(joined: Arc<AtomicBool>) -> axum::Router {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    use slipway_contract::paths;
+    axum::Router::new()
+        .route(paths::HEALTH, get(|| async { "ok" }))
+        .route(
+            paths::READY,
+            get(move || async move {
+                if joined.load(Ordering::Relaxed) {
+                    (StatusCode::OK, "ready")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not in a formed group")
+                }
+            }),
+        )
 }
 
 /// Runs the server until drained.
@@ -218,7 +267,7 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     if let Some(g) = &group
         && !g.layout.rank(g.tcp.rank)?.is_leader()
     {
-        return serve_worker(file, g, &cpu);
+        return serve_worker(args, file, g, &cpu);
     }
     let options = BackendOptions {
         cpu: cpu.clone(),

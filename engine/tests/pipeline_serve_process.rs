@@ -6,12 +6,11 @@
 //! never assertions on time.
 
 use std::net::TcpListener;
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use slipway_contract::ServeArgs;
-use slipway_engine::testing::{ChildGuard, EngineProcess, read_sse, refused, serve_args};
+use slipway_engine::testing::{EngineProcess, read_sse, refused, serve_args};
 
 const MODEL: &str = "smol";
 
@@ -34,14 +33,14 @@ fn free_port() -> u16 {
     listener.local_addr().expect("its address").port()
 }
 
-/// Starts rank 1 (no HTTP, so not an [`EngineProcess`]) and rank 0, which prints its
+/// Starts rank 1 (which answers only its probes) and rank 0, which prints its
 /// readiness line only once the group formed.
-fn pipeline_2() -> (EngineProcess, ChildGuard) {
+fn pipeline_2() -> (EngineProcess, EngineProcess) {
     pipeline_2_with(&[])
 }
 
 /// [`pipeline_2`] with `extra` flags on both ranks.
-fn pipeline_2_with(extra: &[&str]) -> (EngineProcess, ChildGuard) {
+fn pipeline_2_with(extra: &[&str]) -> (EngineProcess, EngineProcess) {
     let leader = format!("127.0.0.1:{}", free_port());
     let group = |rank: &'static str| {
         let mut flags = vec![
@@ -55,10 +54,30 @@ fn pipeline_2_with(extra: &[&str]) -> (EngineProcess, ChildGuard) {
         flags.extend_from_slice(extra);
         args(&flags)
     };
-    let mut command = EngineProcess::command(&group("1"));
-    let worker = ChildGuard::spawn("rank 1", command.stdin(Stdio::null()).stdout(Stdio::null()))
-        .unwrap_or_else(|e| panic!("{e}"));
+    // The worker prints its line once loaded, before the group forms.
+    let worker = EngineProcess::spawn(&group("1"));
     (EngineProcess::spawn(&group("0")), worker)
+}
+
+async fn status(c: &reqwest::Client, server: &EngineProcess, path: &str) -> u16 {
+    c.get(server.url(path))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+        .status()
+        .as_u16()
+}
+
+/// Polls `/ready` until it says 200; the group's last `go` reaches the worker just
+/// after the leader's readiness line, so its `/ready` may trail by a moment.
+async fn until_ready(c: &reqwest::Client, server: &EngineProcess) {
+    for _ in 0..500 {
+        if status(c, server, "/ready").await == 200 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{} never became ready", server.base());
 }
 
 fn client() -> reqwest::Client {
@@ -98,12 +117,10 @@ async fn a_pipeline_of_two_processes_answers_as_one_and_fails_as_one() {
         answer(&c, &single, &body).await
     };
     let (mut leader, mut worker) = pipeline_2();
-    let ready = c
-        .get(leader.url("/ready"))
-        .send()
-        .await
-        .expect("GET /ready");
-    assert_eq!(ready.status(), 200);
+    assert_eq!(status(&c, &leader, "/ready").await, 200);
+    until_ready(&c, &worker).await;
+    // A worker serves its probes only, not the API.
+    assert_eq!(status(&c, &worker, "/v1/models").await, 404);
     let got = answer(&c, &leader, &body).await;
     assert_eq!(got, want, "pipeline 2 answers otherwise than one process");
     println!("pipeline 2 and the single process both answer {got:?}");
@@ -145,6 +162,27 @@ async fn a_pipeline_of_two_processes_answers_as_one_and_fails_as_one() {
 async fn a_drained_leader_ends_its_workers_cleanly_and_a_dead_one_fails_them() {
     let _one = ONE_AT_A_TIME.lock().await;
     let within = Duration::from_secs(60);
+    let c = client();
+    // A worker answers its probes once loaded, but is not ready without its group;
+    // with no leader it gives up at the rendezvous timeout, non-zero.
+    let nobody = format!("127.0.0.1:{}", free_port());
+    let mut lone = EngineProcess::spawn(&args(&[
+        "--pipeline-parallel",
+        "2",
+        "--rank",
+        "1",
+        "--leader-address",
+        &nobody,
+        "--rendezvous-timeout-ms",
+        "5000",
+    ]));
+    assert_eq!(status(&c, &lone, "/health").await, 200);
+    assert_eq!(status(&c, &lone, "/ready").await, 503);
+    let status_of_lone = lone
+        .exit_within(within)
+        .await
+        .expect("the lone worker exits");
+    assert!(!status_of_lone.success(), "{status_of_lone:?}");
     // Idle for longer than the step timeout: the leader's keep-alives tell the
     // waiting worker it is alive, and the group still serves. (The wait is the
     // condition under test, not a synchronisation.)

@@ -43,9 +43,9 @@
 //!   projections, one all-reduce after each); the last stage's tensor ranks compute
 //!   their vocab slice of the logits and send it to the leader. [`StageRunner`]
 //!   refuses `tensor > 1` until then.
-//! - `serve` runs pipeline groups (see `serve.rs`); what it lacks: a readiness
-//!   endpoint on workers (they serve no HTTP; "joined the group" is only in their
-//!   logs), LoRA adapters and the CUDA backend in a group.
+//! - `serve` runs pipeline groups (see `serve.rs`; workers answer only `/health` and
+//!   `/ready`, ready once the group formed); it refuses LoRA adapters and the CUDA
+//!   backend in a group.
 //! - `make bench-parallel` and its table (decode and prefill tok/s, bytes and µs per
 //!   step, resident set per rank) in `engine/BENCHMARKS.md`.
 //! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and
