@@ -6,6 +6,7 @@
 //! blame; timeouts only bound a broken build.
 
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -79,13 +80,16 @@ fn tcp_config(rank: usize, world: usize, leader: &str, step_timeout: Duration) -
 type Worker = JoinHandle<Result<(), PipelineError>>;
 
 /// A `pipeline`-stage group on loopback: the leader's runner and the workers'
-/// threads, each worker's transport passed through `wrap` (tests break it there).
-fn group_with<W>(
+/// threads, the leader's transport passed through `lead` and each worker's through
+/// `wrap` (tests count or break them there).
+fn group_with<L, W>(
     pipeline: usize,
     step_timeout: Duration,
+    lead: impl FnOnce(TcpTransport) -> L,
     wrap: impl Fn(TcpTransport) -> W + Send + Clone + 'static,
-) -> (PipelineRunner<TcpTransport>, Vec<Worker>)
+) -> (PipelineRunner<L>, Vec<Worker>)
 where
+    L: Transport<Tensor = [f32]>,
     W: Transport<Tensor = [f32]>,
 {
     let group = layout(pipeline);
@@ -104,16 +108,16 @@ where
     let stage = StageRunner::load(file(), &group, 0, &cpu_config()).expect("stage 0");
     let config = tcp_config(0, pipeline, &leader, step_timeout);
     let transport = TcpTransport::lead(&listener, &config).expect("rendezvous");
-    let runner = PipelineRunner::new(stage, transport).expect("leader");
+    let runner = PipelineRunner::new(stage, lead(transport)).expect("leader");
     (runner, workers)
 }
 
 fn group(pipeline: usize) -> (PipelineRunner<TcpTransport>, Vec<Worker>) {
-    group_with(pipeline, LONG, |t| t)
+    group_with(pipeline, LONG, |t| t, |t| t)
 }
 
 /// Stops the group and checks every worker exited cleanly.
-fn finish(mut runner: PipelineRunner<TcpTransport>, workers: Vec<Worker>) {
+fn finish<T: Transport<Tensor = [f32]>>(mut runner: PipelineRunner<T>, workers: Vec<Worker>) {
     runner.stop().expect("stop");
     for (i, w) in workers.into_iter().enumerate() {
         let rank = i + 1;
@@ -463,6 +467,152 @@ fn pipeline_2_samples_on_its_last_stage_as_the_single_process_does() {
     finish(runner, workers);
 }
 
+/// A transport that counts the payload bytes it sends.
+struct Counting {
+    inner: TcpTransport,
+    sent: Arc<AtomicU64>,
+}
+
+impl Counting {
+    fn count(&self, bytes: usize) {
+        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+impl Transport for Counting {
+    type Tensor = [f32];
+
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn send_bytes(
+        &mut self,
+        to: usize,
+        step: u64,
+        kind: FrameKind,
+        payload: &[u8],
+    ) -> Result<(), TransportError> {
+        self.count(payload.len());
+        self.inner.send_bytes(to, step, kind, payload)
+    }
+
+    fn recv_bytes(
+        &mut self,
+        from: usize,
+        step: u64,
+        kind: FrameKind,
+    ) -> Result<&[u8], TransportError> {
+        self.inner.recv_bytes(from, step, kind)
+    }
+
+    fn send_tensor(
+        &mut self,
+        to: usize,
+        step: u64,
+        kind: FrameKind,
+        tensor: &[f32],
+    ) -> Result<(), TransportError> {
+        self.count(size_of_val(tensor));
+        self.inner.send_tensor(to, step, kind, tensor)
+    }
+
+    fn recv_tensor(
+        &mut self,
+        from: usize,
+        step: u64,
+        kind: FrameKind,
+        out: &mut [f32],
+    ) -> Result<(), TransportError> {
+        self.inner.recv_tensor(from, step, kind, out)
+    }
+
+    fn all_reduce_sum(
+        &mut self,
+        ranks: &[usize],
+        step: u64,
+        buf: &mut [f32],
+    ) -> Result<(), TransportError> {
+        self.inner.all_reduce_sum(ranks, step, buf)
+    }
+}
+
+#[test]
+fn a_decode_step_of_16_streams_sends_hidden_states_down_and_only_tokens_back() {
+    let (leader_sent, worker_sent) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (l, w) = (Arc::clone(&leader_sent), Arc::clone(&worker_sent));
+    let (mut runner, workers) = group_with(
+        2,
+        LONG,
+        |inner| Counting { inner, sent: l },
+        move |inner| Counting {
+            inner,
+            sent: Arc::clone(&w),
+        },
+    );
+    let oracle = oracle();
+    let streams = 16;
+    let mut alloc = BlockAllocator::new(BLOCKS);
+    let prompts: Vec<&[u32]> = (0..streams)
+        .map(|i| {
+            oracle.prompts[i % oracle.prompts.len()]
+                .prompt_tokens
+                .as_slice()
+        })
+        .collect();
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut t = Vec::new();
+            alloc.ensure(&mut t, p.len() + 1, 16).expect("blocks");
+            t
+        })
+        .collect();
+    let greedy = || SeqSampling {
+        params: SamplingParams::default(),
+        uniform: None,
+        history: Vec::new(),
+        stop_tokens: vec![2],
+        logprob: false,
+    };
+    let sampling: Vec<_> = (0..streams).map(|_| Some(greedy())).collect();
+    let prefill = Batch {
+        seqs: (0..streams)
+            .map(|i| chunk(prompts[i], 0, &tables[i], LogitsWanted::Last))
+            .collect(),
+    };
+    let first = runner.execute(&prefill, &sampling).expect("prefill");
+    let decode = Batch {
+        seqs: (0..streams)
+            .map(|i| {
+                let token = first.sampled[i].expect("sampled").token;
+                chunk(&[token], prompts[i].len(), &tables[i], LogitsWanted::Last)
+            })
+            .collect(),
+    };
+    let (l0, w0) = (
+        leader_sent.load(Ordering::Relaxed),
+        worker_sent.load(Ordering::Relaxed),
+    );
+    runner.execute(&decode, &sampling).expect("decode");
+    let leader_bytes = leader_sent.load(Ordering::Relaxed) - l0;
+    let worker_bytes = worker_sent.load(Ordering::Relaxed) - w0;
+    let hidden = (streams * 576 * 4) as u64;
+    println!(
+        "decode step of {streams} streams, payload bytes sent: rank 0 {leader_bytes} \
+({hidden} of hidden states, {} of step description), rank 1 {worker_bytes}",
+        leader_bytes - hidden
+    );
+    // Rank 1 sends the count and 11 bytes per stream: no logits row.
+    assert_eq!(worker_bytes, 4 + 11 * streams as u64);
+    assert!(leader_bytes > hidden && leader_bytes < hidden + 100 * streams as u64);
+    finish(runner, workers);
+}
+
 /// A worker transport that, once `batches` step frames have arrived, drops its
 /// connections at the next call: the worker dies mid-step, after the step's
 /// description and before the hidden states.
@@ -551,10 +701,15 @@ impl Transport for DiesMidStep {
 
 #[test]
 fn a_worker_dying_mid_step_fails_the_leaders_step_naming_it() {
-    let (mut runner, mut workers) = group_with(2, LONG, |t| DiesMidStep {
-        inner: Some(t),
-        batches: 2,
-    });
+    let (mut runner, mut workers) = group_with(
+        2,
+        LONG,
+        |t| t,
+        |t| DiesMidStep {
+            inner: Some(t),
+            batches: 2,
+        },
+    );
     let mut alloc = BlockAllocator::new(BLOCKS);
     let prompt = &oracle().prompts[0].prompt_tokens;
     let mut table = Vec::new();
