@@ -15,6 +15,14 @@
 //! product added ([`lora::add_segment`]) — q/k/v before RoPE and the KV write, o,
 //! gate/up before SwiGLU, down — the segmented scheme described in [`super`]. A row's
 //! low-rank product is computed alone, so the batch-independence above still holds.
+//!
+//! Pipeline stages ([`CpuBackend::forward_stage`], issue #15): a backend may hold one
+//! stage of the model ([`crate::model::llama::ModelPart`]): a run of layers, with
+//! the embedding on the first stage and the final norm and head on the last, and a KV
+//! store of its own layers only, addressed by the leader's block ids. A stage starts
+//! from token ids or the previous stage's hidden states and ends with logits or
+//! hidden states for the next. Whole passes and stages run the same layer loop, so a
+//! pipeline's logits are the single process's, bit for bit.
 
 use std::sync::Arc;
 

@@ -3,7 +3,8 @@
 //!
 //! A step, with `s` stages (rank = stage, as tensor parallelism is not wired here):
 //! 1. the leader (rank 0, stage 0) checks the batch, then sends its description
-//!    ([`StepFrame::Run`]) to every other rank;
+//!    ([`StepFrame::Run`], or [`StepFrame::Sample`] with each sequence's sampling) to
+//!    every other rank;
 //! 2. stage 0 embeds the tokens, runs its layers and sends the hidden states
 //!    (`tokens × dim` f32) to stage 1; each stage runs its layers on what it
 //!    receives and passes the result on;
