@@ -20,6 +20,15 @@ use crate::units::{format_millis, parse_millis};
 /// (image pulls, model staging), so joining gets minutes, not seconds.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// The port a group's leader listens on for its ranks (the port of the
+/// `--leader-address` the operator renders, declared on the leader's container as
+/// [`GROUP_PORT_NAME`]). Only the leader's port is fixed: the other ranks listen on
+/// ports of their own choosing, which the leader tells every rank at rendezvous.
+pub const GROUP_PORT: u16 = 29500;
+
+/// The name of [`GROUP_PORT`] on the leader's container, beside `http`.
+pub const GROUP_PORT_NAME: &str = "group";
+
 /// Default of `--step-timeout-ms`: long enough for one stage's share of a full prefill
 /// chunk on a slow CPU, short enough that a hung peer ends the group's requests
 /// within one SLO window.
@@ -48,17 +57,18 @@ impl HostPort {
     }
 }
 
-impl std::str::FromStr for HostPort {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("`{s}` is not host:port (e.g. leader.group.ns.svc:29500)");
-        let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
-        let port: u16 = port.parse().map_err(|_| bad())?;
+impl HostPort {
+    /// `host` and `port`, checked as `--leader-address` checks them.
+    ///
+    /// # Errors
+    /// The message `--leader-address` would give for `host:port`.
+    pub fn new(host: impl Into<String>, port: u16) -> Result<Self, String> {
+        let host = host.into();
+        let bad = || format!("`{host}:{port}` is not host:port (e.g. leader.group.ns.svc:29500)");
         let bare = host
             .strip_prefix('[')
             .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(host);
+            .unwrap_or(&host);
         if bare.is_empty() || port == 0 {
             return Err(bad());
         }
@@ -66,19 +76,29 @@ impl std::str::FromStr for HostPort {
         // ambiguous, so it is refused rather than guessed.
         if bare == host && host.contains(':') {
             return Err(format!(
-                "`{s}`: write an IPv6 address in brackets, [::1]:29500"
+                "`{host}:{port}`: write an IPv6 address in brackets, [::1]:29500"
             ));
         }
         if bare != host && bare.parse::<std::net::Ipv6Addr>().is_err() {
-            return Err(format!("`{s}`: `{host}` is not a bracketed IPv6 address"));
+            return Err(format!(
+                "`{host}:{port}`: `{host}` is not a bracketed IPv6 address"
+            ));
         }
         if bare.chars().any(|c| c.is_whitespace() || c == '/') {
             return Err(bad());
         }
-        Ok(Self {
-            host: host.to_owned(),
-            port,
-        })
+        Ok(Self { host, port })
+    }
+}
+
+impl std::str::FromStr for HostPort {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("`{s}` is not host:port (e.g. leader.group.ns.svc:29500)");
+        let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        Self::new(host, port)
     }
 }
 
@@ -289,6 +309,17 @@ mod tests {
             "http://x:80",
         ] {
             assert!(bad.parse::<HostPort>().is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn host_port_new_checks_as_the_flag_does() {
+        let address =
+            HostPort::new("m-g0-r0.m-g0.ns.svc", GROUP_PORT).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(address.to_string(), "m-g0-r0.m-g0.ns.svc:29500");
+        assert_eq!(address.to_string().parse::<HostPort>(), Ok(address));
+        for (host, port) in [("", 1), ("a", 0), ("::1", 1), ("[x]", 1), ("a/b", 1)] {
+            assert!(HostPort::new(host, port).is_err(), "{host}:{port}");
         }
     }
 

@@ -32,7 +32,7 @@ pub mod units;
 
 pub use backoff::Backoff;
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
-pub use group::{GroupArgs, GroupArgsError, HostPort};
+pub use group::{GROUP_PORT, GROUP_PORT_NAME, GroupArgs, GroupArgsError, HostPort};
 pub use lora::{LoraAdapter, LoraModule, NamedSha256};
 pub use router::{LoadReport, RoutePolicy, RouterArgs};
 #[cfg(feature = "fault-injection")]

@@ -250,6 +250,31 @@ impl ServeArgs {
         Self::from_arg_matches(&matches)
     }
 
+    /// The long names (without `--`, sorted) of the flags `extra` sets, whatever their values:
+    /// the operator refuses some flags in `release.engine.args` even when they repeat
+    /// a default, since it sets them per pod after the merge.
+    ///
+    /// # Errors
+    /// clap's error for an unknown flag or a bad value in `extra`.
+    pub fn flags_in<S: AsRef<str>>(extra: &[S]) -> Result<Vec<String>, clap::Error> {
+        // `--model` is required of a command line, not of a fragment of one.
+        let mut cmd = Self::augment_args(clap::Command::new("serve"))
+            .mut_arg("model", |arg| arg.required(false));
+        let argv =
+            std::iter::once("serve".to_owned()).chain(extra.iter().map(|s| s.as_ref().to_owned()));
+        let matches = cmd.try_get_matches_from_mut(argv)?;
+        let mut given: Vec<String> = cmd
+            .get_arguments()
+            .filter(|arg| {
+                matches.value_source(arg.get_id().as_str())
+                    == Some(clap::parser::ValueSource::CommandLine)
+            })
+            .filter_map(|arg| arg.get_long().map(str::to_owned))
+            .collect();
+        given.sort();
+        Ok(given)
+    }
+
     /// The adapters of `--lora` joined with their `--lora-sha256` digests.
     ///
     /// # Errors

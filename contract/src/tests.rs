@@ -332,6 +332,21 @@ fn group_flags_default_to_one_process_and_parse_a_worker_rank() {
 }
 
 #[test]
+fn flags_in_names_what_a_fragment_sets_even_at_its_default() {
+    let given = ServeArgs::flags_in(&["--rank=0", "--max-num-seqs", "8", "--tensor-parallel=1"])
+        .expect("valid flags");
+    assert_eq!(given, ["max-num-seqs", "rank", "tensor-parallel"]);
+    assert_eq!(
+        ServeArgs::flags_in::<&str>(&[]).expect("nothing"),
+        Vec::<String>::new()
+    );
+    let given = ServeArgs::flags_in(&["--model=/x", "--leader-address=l:1"]).expect("valid");
+    assert_eq!(given, ["leader-address", "model"]);
+    let error = ServeArgs::flags_in(&["--rank=x"]).expect_err("not a number");
+    assert!(error.to_string().contains("--rank"), "{error}");
+}
+
+#[test]
 fn help_explains_the_group_flags() {
     let help = <ServeArgs as clap::Args>::augment_args(clap::Command::new("serve"))
         .render_long_help()

@@ -31,6 +31,7 @@ use kube::{Api, Client, ResourceExt};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
 use slipway_api::testing::condition_status;
+use slipway_contract::{EngineCommand, GROUP_PORT, GroupArgs};
 use slipway_e2e::build::cargo_build;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
@@ -425,6 +426,20 @@ fn gpu_service(namespace: &str, name: &str, tensor: u32, pipeline: u32) -> anyho
     Ok(isvc)
 }
 
+/// The group flags the pod's engine reads from its rendered command line (parsed by
+/// the engine's own parser), or why they cannot be read.
+fn group_of(pod: &Pod) -> anyhow::Result<GroupArgs> {
+    let args = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.first()?.args.clone())
+        .unwrap_or_default();
+    match EngineCommand::parse_args(&args)? {
+        EngineCommand::Serve(serve) => Ok(serve.group),
+        other => anyhow::bail!("{}: not serve: {other:?}", pod.name_any()),
+    }
+}
+
 fn env_of(pod: &Pod) -> BTreeMap<String, String> {
     pod.spec
         .as_ref()
@@ -440,10 +455,16 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
     let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
     setup.apply(&gpu_service(setup.ns(), "big", 8, 2)?).await?;
     setup.apply(&gpu_service(setup.ns(), "mid", 4, 2)?).await?;
+    // On CPU a group is one pod per rank: tensor 3 × pipeline 2 is six pods.
+    let mut cpu = gpu_service(setup.ns(), "cpu", 3, 2)?;
+    cpu["spec"]["release"]["engine"]["device"] = json!("CPU");
+    setup.apply(&cpu).await?;
     setup.wait_ready("big", 1).await?;
     setup.wait_ready("mid", 1).await?;
+    setup.wait_ready("cpu", 1).await?;
     let mut want = pod_names("big", 1, 2);
     want.insert("mid-g0-r0".to_owned());
+    want.extend(pod_names("cpu", 1, 6));
     let pods = setup.wait_pods(&want).await?;
     let nodes = node_labels(&setup.admin).await?;
     let find = |name: &str| {
@@ -485,8 +506,8 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
         rack(worker)
     );
     // Ranks are labels and DNS names (hostname.subdomain under the group's headless
-    // Service); the engine is told nothing of its place until it runs tensor/pipeline
-    // parallelism, so the operator sets no env for it.
+    // Service). A CUDA pod of 8 GPUs would need one process driving 8 ranks (the NCCL
+    // work), so it is told nothing of its group: no group flags, no env.
     for (pod, rank) in [(leader, "0"), (worker, "1")] {
         let spec = pod.spec.as_ref().context("pod spec")?;
         ensure!(
@@ -508,6 +529,25 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
             "{}: the operator set env {:?}",
             pod.name_any(),
             env_of(pod)
+        );
+        let group = group_of(pod)?;
+        ensure!(
+            group.is_single_process() && group.leader_address.is_none(),
+            "{}: a pod of 8 GPUs was given group flags {group:?}",
+            pod.name_any()
+        );
+    }
+    // Each CPU pod is one rank, told its place and its leader's stable DNS name.
+    for rank in 0..6 {
+        let pod = find(&format!("cpu-g0-r{rank}"))?;
+        let group = group_of(pod)?;
+        let leader = format!("cpu-g0-r0.cpu-g0.{}.svc:{GROUP_PORT}", setup.ns());
+        ensure!(
+            (group.tensor_parallel, group.pipeline_parallel, group.rank) == (3, 2, rank)
+                && group.leader_address.as_ref().map(ToString::to_string) == Some(leader)
+                && group.validate().is_ok(),
+            "{}: group flags {group:?}",
+            pod.name_any()
         );
     }
 

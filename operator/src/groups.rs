@@ -1,6 +1,12 @@
-//! How one group (`tensor × pipeline` GPUs, one replica) is split into pods.
+//! How one group (`tensor × pipeline` ranks, one replica) is split into pods.
 //!
-//! The rule (issue 4): a group that fits on one node is one pod requesting all its
+//! On CPU (`release.engine.device: CPU`) every rank is a pod of its own: the engine
+//! runs one rank per process, and several processes in one pod would buy nothing a
+//! CPU scheduler does not already give (`gpusPerNode` is a GPU notion and is ignored).
+//! Pod `r` is engine rank `r`, numbered `stage × tensor + tensor_rank` as the engine
+//! numbers them.
+//!
+//! On CUDA the rule (issue 4): a group that fits on one node is one pod requesting all its
 //! GPUs. A larger group is split into the fewest pods of at most `gpusPerNode` GPUs,
 //! keeping every tensor-parallel set inside one pod whenever `tensor ≤ gpusPerNode`
 //! (tensor parallelism needs NVLink bandwidth; pipeline stages only pass activations,
@@ -8,18 +14,27 @@
 //! gpusPerNode` the tensor set itself must cross nodes, and the group fills whole
 //! nodes (the CRD requires `tensor × pipeline` to be a multiple of `gpusPerNode`).
 //!
-//! Invariants: the pods' GPUs sum to `tensor × pipeline`; no pod exceeds
-//! `gpusPerNode`; rank 0 is the leader; ranks are `0..pods`.
+//! A CUDA pod holds one engine rank per GPU, in rank order, so a pod of several GPUs
+//! would need one process driving several ranks; that comes with the NCCL transport
+//! (see [`crate::pod`], which tells such pods nothing of their group).
+//!
+//! Invariants: the pods' engine ranks are `0..tensor × pipeline`, consecutive in pod
+//! order; on CUDA the pods' GPUs sum to `tensor × pipeline` and no pod exceeds
+//! `gpusPerNode`; pod rank 0 is the leader (it holds engine rank 0); pod ranks are
+//! `0..pods`.
 
-use slipway_api::spec::Parallelism;
+use slipway_api::spec::{Device, Parallelism};
 
 /// One pod of a group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodShape {
-    /// Rank of the pod inside its group; 0 is the leader.
+    /// Rank of the pod inside its group (its name's `r<rank>`); 0 is the leader.
     pub rank: u32,
-    /// GPUs this pod requests.
+    /// GPUs this pod requests (none on CPU).
     pub gpus: u32,
+    /// The engine ranks this pod holds: `first_rank..first_rank + ranks`.
+    pub first_rank: u32,
+    pub ranks: u32,
     /// Pipeline stages this pod runs, `first..first + count`. When a tensor set spans
     /// pods, every pod takes part in the same stages and this is the whole pipeline.
     pub first_stage: u32,
@@ -45,6 +60,17 @@ impl GroupShape {
     pub fn gpus(&self) -> u32 {
         self.pods.iter().map(|pod| pod.gpus).sum()
     }
+
+    /// Engine ranks in one group: tensor × pipeline.
+    pub fn ranks(&self) -> u32 {
+        self.tensor.saturating_mul(self.pipeline)
+    }
+
+    /// The engine rank `pod`'s process is, when it is exactly one rank of a group of
+    /// several; `None` for a single-process group and for a pod holding several ranks.
+    pub fn engine_rank(&self, pod: &PodShape) -> Option<u32> {
+        (self.ranks() > 1 && pod.ranks == 1).then_some(pod.first_rank)
+    }
 }
 
 /// Why a parallelism cannot be split (the CRD rejects all of these; the operator
@@ -69,12 +95,12 @@ pub enum ShapeError {
     },
 }
 
-/// Splits a group into pods.
+/// Splits a group on `device` into pods.
 ///
 /// # Errors
-/// [`ShapeError`] for non-positive degrees or a tensor set that crosses nodes without
-/// filling them.
-pub fn group_shape(parallelism: &Parallelism) -> Result<GroupShape, ShapeError> {
+/// [`ShapeError`] for non-positive degrees or, on CUDA, a tensor set that crosses
+/// nodes without filling them.
+pub fn group_shape(parallelism: &Parallelism, device: Device) -> Result<GroupShape, ShapeError> {
     let positive = |value: i32| u32::try_from(value).ok().filter(|&v| v > 0);
     let (Some(tensor), Some(pipeline), Some(per_node)) = (
         positive(parallelism.tensor),
@@ -88,10 +114,23 @@ pub fn group_shape(parallelism: &Parallelism) -> Result<GroupShape, ShapeError> 
         });
     };
     let total = tensor.saturating_mul(pipeline);
-    let pods = if total <= per_node {
+    let pods = if device == Device::Cpu {
+        (0..total)
+            .map(|rank| PodShape {
+                rank,
+                gpus: 0,
+                first_rank: rank,
+                ranks: 1,
+                first_stage: rank / tensor,
+                stage_count: 1,
+            })
+            .collect()
+    } else if total <= per_node {
         vec![PodShape {
             rank: 0,
             gpus: total,
+            first_rank: 0,
+            ranks: total,
             first_stage: 0,
             stage_count: pipeline,
         }]
@@ -106,6 +145,8 @@ pub fn group_shape(parallelism: &Parallelism) -> Result<GroupShape, ShapeError> 
                 PodShape {
                     rank,
                     gpus: stage_count * tensor,
+                    first_rank: first_stage * tensor,
+                    ranks: stage_count * tensor,
                     first_stage,
                     stage_count,
                 }
@@ -123,6 +164,8 @@ pub fn group_shape(parallelism: &Parallelism) -> Result<GroupShape, ShapeError> 
             .map(|rank| PodShape {
                 rank,
                 gpus: per_node,
+                first_rank: rank * per_node,
+                ranks: per_node,
                 first_stage: 0,
                 stage_count: pipeline,
             })
@@ -146,7 +189,7 @@ mod tests {
             gpus_per_node,
             ..Parallelism::default()
         };
-        group_shape(&parallelism)
+        group_shape(&parallelism, Device::Cuda)
             .unwrap_or_else(|error| panic!("{tensor}×{pipeline}/{gpus_per_node}: {error}"))
             .pods
             .iter()
@@ -182,11 +225,18 @@ mod tests {
                         ..Parallelism::default()
                     };
                     let total = (tensor * pipeline) as u32;
-                    let Ok(group) = group_shape(&parallelism) else {
+                    let cpu = group_shape(&parallelism, Device::Cpu)
+                        .unwrap_or_else(|e| panic!("{tensor}×{pipeline} on CPU: {e}"));
+                    assert_eq!(cpu.world_size(), total);
+                    assert_eq!(cpu.gpus(), 0);
+                    assert_ranks_are_consecutive(&cpu);
+                    let Ok(group) = group_shape(&parallelism, Device::Cuda) else {
                         assert!(tensor > per_node && !total.is_multiple_of(per_node as u32));
                         continue;
                     };
                     assert_eq!(group.gpus(), total, "{tensor}×{pipeline}/{per_node}");
+                    assert!(group.pods.iter().all(|pod| pod.ranks == pod.gpus));
+                    assert_ranks_are_consecutive(&group);
                     assert!(group.pods.iter().all(|pod| pod.gpus <= per_node as u32));
                     assert!(
                         group
@@ -203,6 +253,84 @@ mod tests {
         }
     }
 
+    /// The pods' engine ranks cover `0..tensor × pipeline` in pod order.
+    fn assert_ranks_are_consecutive(group: &GroupShape) {
+        let mut next = 0;
+        for pod in &group.pods {
+            assert_eq!(pod.first_rank, next, "{group:?}");
+            assert!(pod.ranks > 0, "{group:?}");
+            next += pod.ranks;
+        }
+        assert_eq!(next, group.ranks(), "{group:?}");
+    }
+
+    /// (pod rank, engine rank, stage) of every pod of a CPU group.
+    fn cpu_pods(tensor: i32, pipeline: i32) -> Vec<(u32, Option<u32>, u32)> {
+        let parallelism = Parallelism {
+            tensor,
+            pipeline,
+            ..Parallelism::default()
+        };
+        let group = group_shape(&parallelism, Device::Cpu)
+            .unwrap_or_else(|error| panic!("{tensor}×{pipeline}: {error}"));
+        assert!(group.pods.iter().all(|pod| pod.gpus == 0 && pod.ranks == 1));
+        group
+            .pods
+            .iter()
+            .map(|pod| (pod.rank, group.engine_rank(pod), pod.first_stage))
+            .collect()
+    }
+
+    #[test]
+    fn a_cpu_group_is_one_pod_per_rank_numbered_stage_times_tensor_plus_tensor_rank() {
+        assert_eq!(cpu_pods(1, 1), vec![(0, None, 0)]);
+        assert_eq!(cpu_pods(1, 2), vec![(0, Some(0), 0), (1, Some(1), 1)]);
+        assert_eq!(
+            cpu_pods(3, 1),
+            vec![(0, Some(0), 0), (1, Some(1), 0), (2, Some(2), 0)]
+        );
+        let pods = cpu_pods(3, 2);
+        assert_eq!(pods.len(), 6);
+        for stage in 0..2 {
+            for tensor_rank in 0..3 {
+                let rank = stage * 3 + tensor_rank;
+                assert_eq!(pods[rank as usize], (rank, Some(rank), stage));
+            }
+        }
+        // gpusPerNode is a GPU notion: 12 ranks on "8-GPU nodes" are 12 CPU pods.
+        let parallelism = Parallelism {
+            tensor: 12,
+            pipeline: 1,
+            gpus_per_node: 8,
+            ..Parallelism::default()
+        };
+        let group = group_shape(&parallelism, Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(group.world_size(), 12);
+    }
+
+    #[test]
+    fn cuda_pods_of_several_gpus_are_no_single_engine_rank() {
+        let group = |tensor, pipeline, gpus_per_node| {
+            let parallelism = Parallelism {
+                tensor,
+                pipeline,
+                gpus_per_node,
+                ..Parallelism::default()
+            };
+            group_shape(&parallelism, Device::Cuda).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let ranks = |g: &GroupShape| g.pods.iter().map(|p| g.engine_rank(p)).collect::<Vec<_>>();
+        assert_eq!(ranks(&group(8, 2, 8)), vec![None, None]);
+        assert_eq!(ranks(&group(4, 2, 8)), vec![None]);
+        assert_eq!(ranks(&group(1, 1, 8)), vec![None]);
+        // One GPU per node: each pod is one process, one rank.
+        assert_eq!(ranks(&group(1, 2, 1)), vec![Some(0), Some(1)]);
+        assert_eq!(
+            ranks(&group(2, 2, 1)),
+            vec![Some(0), Some(1), Some(2), Some(3)]
+        );
+    }
+
     #[test]
     fn nonsense_is_refused() {
         let parallelism = Parallelism {
@@ -211,7 +339,8 @@ mod tests {
             gpus_per_node: 8,
             ..Parallelism::default()
         };
-        assert!(group_shape(&parallelism).is_err());
+        assert!(group_shape(&parallelism, Device::Cuda).is_err());
+        assert!(group_shape(&parallelism, Device::Cpu).is_err());
         let parallelism = Parallelism {
             tensor: 12,
             pipeline: 1,
@@ -219,7 +348,7 @@ mod tests {
             ..Parallelism::default()
         };
         assert_eq!(
-            group_shape(&parallelism),
+            group_shape(&parallelism, Device::Cuda),
             Err(ShapeError::PartialNode {
                 tensor: 12,
                 total: 12,

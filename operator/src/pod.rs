@@ -17,6 +17,15 @@
 //!
 //! The containers' arguments are [`slipway_contract::EngineCommand`] values rendered
 //! with `to_args`, never string literals: the engine parses them with the same type.
+//! A pod whose process is exactly one rank of a group of several (every pod of a
+//! multi-rank CPU group, see [`crate::groups`]) is told its place with the contract's
+//! [`GroupArgs`]: `--tensor-parallel`, `--pipeline-parallel`, `--rank` and
+//! `--leader-address`, the leader pod's stable DNS name under the group's headless
+//! Service with [`GROUP_PORT`], declared on the leader's container as
+//! [`GROUP_PORT_NAME`]. The operator owns these flags: `release.engine.args` may not
+//! set them ([`serve_args`]). The timeouts (`--rendezvous-timeout-ms`,
+//! `--step-timeout-ms`) are tuning the spec derives nothing for, so the user's
+//! `release.engine.args` may set them; otherwise they keep the engine's defaults.
 //! The operator sets no environment variable of its own (the engine reads none that
 //! the operator would set); only the user's `env` is passed.
 
@@ -39,8 +48,8 @@ use slipway_api::drain::DrainBudget;
 use slipway_api::duration;
 use slipway_api::spec::{Device, InferenceServiceSpec};
 use slipway_contract::{
-    DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, LogArgs, LogFormat, LoraModule,
-    NamedSha256, ServeArgs, TelemetryArgs, paths,
+    DeviceChoice, ENGINE_PORT, EngineCommand, FetchArgs, GROUP_PORT, GROUP_PORT_NAME, GroupArgs,
+    HostPort, LogArgs, LogFormat, LoraModule, NamedSha256, ServeArgs, TelemetryArgs, paths,
 };
 
 use crate::groups::PodShape;
@@ -187,17 +196,32 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
         .chain(&overrides.env)
         .cloned()
         .collect();
+    let serve = ServeArgs {
+        group: group_args(ctx, group, shape),
+        ..ctx.serve.clone()
+    };
+    let mut ports = vec![ContainerPort {
+        name: Some("http".to_owned()),
+        container_port: i32::from(ctx.serve.port),
+        protocol: Some("TCP".to_owned()),
+        ..ContainerPort::default()
+    }];
+    // Only the leader's port is fixed; the other ranks listen where the leader tells
+    // its peers at rendezvous.
+    if serve.group.rank == 0 && !serve.group.is_single_process() {
+        ports.push(ContainerPort {
+            name: Some(GROUP_PORT_NAME.to_owned()),
+            container_port: i32::from(GROUP_PORT),
+            protocol: Some("TCP".to_owned()),
+            ..ContainerPort::default()
+        });
+    }
     let engine = Container {
         name: "engine".to_owned(),
         image: Some(spec.release.engine.image.clone()),
-        args: Some(EngineCommand::Serve(ctx.serve.clone()).to_args()),
+        args: Some(EngineCommand::Serve(serve).to_args()),
         env: (!env.is_empty()).then_some(env),
-        ports: Some(vec![ContainerPort {
-            name: Some("http".to_owned()),
-            container_port: i32::from(ctx.serve.port),
-            protocol: Some("TCP".to_owned()),
-            ..ContainerPort::default()
-        }]),
+        ports: Some(ports),
         resources: Some(ResourceRequirements {
             claims: None,
             ..resources
@@ -276,6 +300,35 @@ fn pod_spec(ctx: &Context<'_>, group: u32, shape: &PodShape) -> PodSpec {
     }
 }
 
+/// The group flags of the pod `shape` of `group`: its place in the group when its
+/// process is exactly one rank of a group of several, else none (the user's timeouts,
+/// which a single process ignores, are kept either way).
+///
+/// A CUDA pod holding several GPUs of a multi-rank group gets no group flags: its one
+/// process would have to drive one rank per GPU, which comes with the NCCL transport.
+/// Until then it runs as it always did, and nothing on its command line claims a
+/// group that does not form.
+fn group_args(ctx: &Context<'_>, group: u32, shape: &PodShape) -> GroupArgs {
+    let tuning = ctx.serve.group.clone();
+    let Some(rank) = ctx.shape.engine_rank(shape) else {
+        return tuning;
+    };
+    GroupArgs {
+        tensor_parallel: ctx.shape.tensor,
+        pipeline_parallel: ctx.shape.pipeline,
+        rank,
+        // Kubernetes names never hold what a host may not (':', '/', spaces), so this
+        // is always an address; were it not, the engine would refuse to start naming
+        // the missing --leader-address, rather than run alone.
+        leader_address: HostPort::new(
+            labels::leader_host(ctx.name, ctx.namespace, group),
+            GROUP_PORT,
+        )
+        .ok(),
+        ..tuning
+    }
+}
+
 /// The preStop hook of a drain budget: a sleep while endpoint removal propagates, so
 /// no new request arrives once the process stops admitting. None when the delay is 0.
 pub(crate) fn pre_stop(drain: &DrainBudget) -> Option<Lifecycle> {
@@ -331,8 +384,10 @@ pub(crate) fn container_security_context() -> SecurityContext {
 /// InferenceService, then the user's `release.engine.args` on top.
 ///
 /// # Errors
-/// [`SpecError`]: an argument the engine would reject, or one that overrides a value
-/// the operator owns (the drain budget, probes and metrics labels depend on those).
+/// [`SpecError`]: an argument the engine would reject, one that overrides a value
+/// the operator owns (the drain budget, probes and metrics labels depend on those),
+/// or any group flag but the timeouts (each pod's place in its group is the
+/// operator's, whatever the value).
 /// The sha256s, SLO thresholds and `maxOutputTokens` are checked again as the engine
 /// reads them.
 pub fn serve_args(
@@ -430,12 +485,30 @@ pub fn serve_args(
     let merged = decided
         .with_extra_args(&engine.args)
         .map_err(|e| SpecError::EngineArgsRejected(first_line(&e)))?;
-    let overridden = owned_flags(&decided, &merged);
+    let mut overridden = owned_flags(&decided, &merged);
+    // The group flags are set per pod after this merge, so a user's value would be
+    // lost without a word even when it repeats a default: any mention is refused.
+    let given = ServeArgs::flags_in(&engine.args)
+        .map_err(|e| SpecError::EngineArgsRejected(first_line(&e)))?;
+    overridden.extend(
+        GROUP_FLAGS
+            .into_iter()
+            .filter(|(flag, _)| given.iter().any(|g| flag.strip_prefix("--") == Some(g))),
+    );
     if !overridden.is_empty() {
         return Err(SpecError::EngineArgsOverrideOperator { flags: overridden });
     }
     Ok(merged)
 }
+
+/// The group flags the operator renders per pod ([`group_args`]), each with what the
+/// user changes instead.
+const GROUP_FLAGS: [(&str, &str); 4] = [
+    ("--tensor-parallel", "parallelism.tensor"),
+    ("--pipeline-parallel", "parallelism.pipeline"),
+    ("--rank", "the pod's place in its group"),
+    ("--leader-address", "the group's headless Service"),
+];
 
 /// The flags the operator owns that differ between `decided` and `merged`, each with
 /// the field a user changes instead.

@@ -180,7 +180,7 @@ fn read_spec<'a>(
         owner,
     } = identity;
     labels::check_name(name)?;
-    let shape = group_shape(&isvc.spec.parallelism)?;
+    let shape = group_shape(&isvc.spec.parallelism, isvc.spec.release.engine.device)?;
     let capacity = scaling::decide(sizing)?;
     let drain = drain_budget(&DrainInput::from_spec(&isvc.spec).map_err(|error| {
         SpecError::SloThreshold {
@@ -248,7 +248,7 @@ fn plan_valid(
         assignment,
     } = releases::assign_releases(
         ctx,
-        stable.release,
+        stable,
         &sizing.decision.capacity,
         previous,
         observed,

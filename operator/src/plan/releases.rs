@@ -12,6 +12,7 @@ use slipway_api::drain::{DrainInput, drain_budget};
 use slipway_api::spec::InferenceServiceSpec;
 use slipway_api::status::InferenceServiceStatus;
 
+use crate::groups::group_shape;
 use crate::model::BundleStaging;
 use crate::observed::Observed;
 use crate::pod::serve_args;
@@ -90,6 +91,8 @@ pub(super) fn release_context<'a>(
     release: &'a str,
 ) -> Option<Context<'a>> {
     let staging = BundleStaging::parse(&spec.release).ok()?;
+    // The device is part of the bundle, and a CPU group has a pod per rank.
+    let shape = group_shape(&spec.parallelism, spec.release.engine.device).ok()?;
     let kv_namespace = spec
         .release
         .kv_namespace
@@ -110,6 +113,7 @@ pub(super) fn release_context<'a>(
     Some(Context {
         spec,
         release,
+        shape,
         kv_namespace,
         drain,
         staging,
@@ -128,14 +132,19 @@ pub(super) struct Releases {
 /// releases it wants.
 pub(super) fn assign_releases(
     ctx: &Context<'_>,
-    stable: &str,
+    stable_release: &Stable<'_, '_>,
     capacity: &CapacityPlan,
     previous: &InferenceServiceStatus,
     observed: &Observed,
     live: &LiveGroups,
     now: &Time,
 ) -> Releases {
+    let stable = stable_release.release;
     let world = ctx.shape.pods.len();
+    // A bundle of another device has another number of pods per group.
+    let stable_world = stable_release
+        .ctx
+        .map_or(world, |stable_ctx| stable_ctx.shape.pods.len());
     let state = rollout::RolloutState {
         stable_release: previous.stable_release.clone(),
         canary_release: previous.canary_release.clone(),
@@ -151,7 +160,7 @@ pub(super) fn assign_releases(
         previous: &state,
         desired: capacity.provisioned,
         needed: capacity.healthy_needed,
-        stable_groups: live.count(stable, observed, world),
+        stable_groups: live.count(stable, observed, stable_world),
         canary_groups: if ctx.release == stable {
             rollout::GroupCounts::default()
         } else {
