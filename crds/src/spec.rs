@@ -284,9 +284,11 @@ pub enum Device {
 // parallelism
 // ---------------------------------------------------------------------------------------
 
-/// How one replica is split over GPUs. One group = `tensor × pipeline` GPUs = one
-/// replica = one scheduling and failure unit. A group larger than one node becomes
-/// several pods (a leader and workers) that are placed and restarted together.
+/// How one replica is split. One group = `tensor × pipeline` ranks = one replica =
+/// one scheduling and failure unit. On CUDA a rank is a GPU, and a group larger than
+/// one node becomes several pods (a leader and workers) that are placed and restarted
+/// together. On CPU (`release.engine.device: CPU`) every rank is a pod of its own, one
+/// engine process each, and `gpusPerNode` places nothing (the schema still checks it).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
@@ -305,14 +307,17 @@ pub struct Parallelism {
     #[schemars(range(min = 1, max = 64))]
     pub pipeline: i32,
 
-    /// GPUs on each node; a group larger than this is split into pods of this size.
+    /// GPUs on each node; a CUDA group larger than this is split into pods of this
+    /// size. Not used on CPU, where each rank is a pod.
     #[serde(default = "default_gpus_per_node")]
     #[schemars(range(min = 1, max = 16))]
     pub gpus_per_node: i32,
 
     /// The node label whose values are racks or NVLink domains. All pods of a
     /// multi-pod group are placed in one value of it (required pod affinity), so the
-    /// group's pipeline traffic stays on the fast fabric.
+    /// group's pipeline traffic stays on the fast fabric. A node without this label
+    /// takes no pod of a multi-pod group: a CPU group of several ranks needs a key
+    /// its nodes carry (e.g. `topology.kubernetes.io/zone`).
     #[serde(default = "default_colocation_key")]
     #[schemars(length(min = 1, max = 316))]
     pub colocation_topology_key: String,
