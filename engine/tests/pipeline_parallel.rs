@@ -6,154 +6,38 @@
 //! blame; timeouts only bound a broken build.
 
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::thread;
 
-use slipway_engine::backend::cpu::{CpuBackend, CpuConfig, StageInput, StageOutput};
-use slipway_engine::backend::{BackendError, Batch, Logits, LogitsWanted, ModelRunner, SeqChunk};
+use slipway_engine::backend::cpu::{CpuBackend, StageInput, StageOutput};
+use slipway_engine::backend::{BackendError, Batch, LogitsWanted, ModelRunner};
 use slipway_engine::generate::score;
 use slipway_engine::kv::BlockAllocator;
-use slipway_engine::model::gguf::GgufFile;
-use slipway_engine::model::llama::{LlamaConfig, LlamaWeights, ModelPart};
+use slipway_engine::model::llama::{LlamaWeights, ModelPart};
 use slipway_engine::parallel::step::StepFrame;
 use slipway_engine::parallel::transport::FrameKind;
 use slipway_engine::parallel::{
-    ModelShape, ParallelLayout, PipelineError, PipelineRunner, StageRunner, TcpConfig,
-    TcpTransport, Transport, TransportError, run_worker,
+    PipelineError, StageRunner, TcpTransport, Transport, TransportError, run_worker,
 };
 use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
-use slipway_engine::testing::{model_path, oracle};
+use slipway_engine::testing::oracle;
 use slipway_engine::tokenizer::Tokenizer;
 
 #[path = "support/agreement.rs"]
 mod agreement;
+#[path = "support/parallel.rs"]
+#[allow(dead_code)]
+mod parallel;
 
-const BLOCKS: usize = 512;
-/// Generous: only a hang would reach it.
-const LONG: Duration = Duration::from_secs(120);
-
-fn file() -> &'static GgufFile {
-    static F: OnceLock<GgufFile> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = model_path();
-        GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-    })
-}
-
-fn cpu_config() -> CpuConfig {
-    CpuConfig {
-        num_blocks: BLOCKS,
-        ..CpuConfig::default()
-    }
-}
-
-/// The single process, shared by the tests (one at a time).
-fn single() -> MutexGuard<'static, CpuBackend> {
-    static S: OnceLock<Mutex<CpuBackend>> = OnceLock::new();
-    S.get_or_init(|| {
-        let weights = LlamaWeights::from_gguf(file()).expect("weights");
-        Mutex::new(CpuBackend::new(Arc::new(weights), &cpu_config()).expect("backend"))
-    })
-    .lock()
-    .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn layout(pipeline: usize) -> ParallelLayout {
-    let config = LlamaConfig::from_gguf(file()).expect("config");
-    let shape = ModelShape::from_tensors(&config, file().tensors());
-    ParallelLayout::new(&shape, 1, pipeline).expect("layout")
-}
-
-fn tcp_config(rank: usize, world: usize, leader: &str, step_timeout: Duration) -> TcpConfig {
-    TcpConfig {
-        rank,
-        world,
-        leader: leader.parse().expect("leader address"),
-        rendezvous_timeout: LONG,
-        step_timeout,
-    }
-}
-
-/// A worker rank's thread: loads its stage, joins, serves steps.
-type Worker = JoinHandle<Result<(), PipelineError>>;
-
-/// A `pipeline`-stage group on loopback: the leader's runner and the workers'
-/// threads, the leader's transport passed through `lead` and each worker's through
-/// `wrap` (tests count or break them there).
-fn group_with<L, W>(
-    pipeline: usize,
-    step_timeout: Duration,
-    lead: impl FnOnce(TcpTransport) -> L,
-    wrap: impl Fn(TcpTransport) -> W + Send + Clone + 'static,
-) -> (PipelineRunner<L>, Vec<Worker>)
-where
-    L: Transport<Tensor = [f32]>,
-    W: Transport<Tensor = [f32]>,
-{
-    let group = layout(pipeline);
-    let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-    let leader = listener.local_addr().expect("its address").to_string();
-    let mut workers = Vec::new();
-    for rank in 1..pipeline {
-        let config = tcp_config(rank, pipeline, &leader, step_timeout);
-        let (group, wrap) = (group.clone(), wrap.clone());
-        workers.push(thread::spawn(move || {
-            let mut stage = StageRunner::load(file(), &group, rank, &cpu_config())?;
-            let transport = TcpTransport::join(&config)?;
-            run_worker(wrap(transport), &mut stage)
-        }));
-    }
-    let stage = StageRunner::load(file(), &group, 0, &cpu_config()).expect("stage 0");
-    let config = tcp_config(0, pipeline, &leader, step_timeout);
-    let transport = TcpTransport::lead(&listener, &config).expect("rendezvous");
-    let runner = PipelineRunner::new(stage, lead(transport)).expect("leader");
-    (runner, workers)
-}
-
-fn group(pipeline: usize) -> (PipelineRunner<TcpTransport>, Vec<Worker>) {
-    group_with(pipeline, LONG, |t| t, |t| t)
-}
-
-/// Stops the group and checks every worker exited cleanly.
-fn finish<T: Transport<Tensor = [f32]>>(mut runner: PipelineRunner<T>, workers: Vec<Worker>) {
-    runner.stop().expect("stop");
-    for (i, w) in workers.into_iter().enumerate() {
-        let rank = i + 1;
-        match w.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("rank {rank} failed: {e}"),
-            Err(_) => panic!("rank {rank}'s thread panicked"),
-        }
-    }
-}
-
-fn chunk(tokens: &[u32], start_pos: usize, table: &[u32], logits: LogitsWanted) -> SeqChunk {
-    SeqChunk {
-        tokens: tokens.to_vec(),
-        start_pos,
-        block_table: table.to_vec(),
-        logits,
-        adapter: None,
-    }
-}
-
-/// Largest |a − b| over two logits of the same layout.
-fn max_delta(a: &Logits, b: &Logits) -> f32 {
-    assert_eq!(a.spans, b.spans, "logits spans differ");
-    assert_eq!(a.data.len(), b.data.len(), "logits sizes differ");
-    a.data
-        .iter()
-        .zip(&b.data)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
-}
+use parallel::*;
 
 #[test]
 fn stages_chained_in_one_process_equal_the_whole_model() {
     let parts = [0..10, 10..20, 20..30].map(|layers| ModelPart {
         embeds: layers.start == 0,
         head: layers.end == 30,
+        shard: None,
         layers,
     });
     let mut stages: Vec<CpuBackend> = parts
@@ -217,35 +101,13 @@ fn stages_chained_in_one_process_equal_the_whole_model() {
     assert!(err.to_string().contains("layers 20..30"), "{err}");
 }
 
-/// Every oracle conversation (prompt and recorded continuation), teacher-forced in
-/// one chunk with logits for every position.
-fn teacher_forced_logits(runner: &mut dyn ModelRunner, alloc: &mut BlockAllocator) -> Vec<Logits> {
-    let bs = runner.kv_geometry().block_size;
-    oracle()
-        .prompts
-        .iter()
-        .map(|p| {
-            let mut tokens = p.prompt_tokens.clone();
-            tokens.extend(&p.continuation);
-            let mut table = Vec::new();
-            alloc.ensure(&mut table, tokens.len(), bs).expect("blocks");
-            let batch = Batch {
-                seqs: vec![chunk(&tokens, 0, &table, LogitsWanted::All)],
-            };
-            let logits = runner.forward(&batch).expect("forward");
-            alloc.release(&table).expect("release");
-            logits
-        })
-        .collect()
-}
-
 #[test]
 fn pipeline_2_teacher_forced_logits_equal_the_single_process() {
     let want = {
         let mut whole = single();
         teacher_forced_logits(&mut *whole, &mut BlockAllocator::new(BLOCKS))
     };
-    let (mut runner, workers) = group(2);
+    let (mut runner, workers) = group(1, 2);
     let got = teacher_forced_logits(&mut runner, &mut BlockAllocator::new(BLOCKS));
     let (mut positions, mut max) = (0, 0f32);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -270,88 +132,9 @@ fn pipeline_2_teacher_forced_logits_equal_the_single_process() {
     finish(runner, workers);
 }
 
-/// Each of `prompts`, prefilled in chunks of up to 40 tokens then `steps` greedy
-/// decode steps, all in shared batches: the first half starts at step 0, the second
-/// half one step later, so steps mix prefill chunks with other sequences' decodes.
-/// Returns every sequence's logits rows and greedy tokens.
-fn batched(
-    runner: &mut dyn ModelRunner,
-    prompts: &[Vec<u32>],
-    steps: usize,
-) -> Vec<(Vec<Vec<f32>>, Vec<u32>)> {
-    struct St {
-        table: Vec<u32>,
-        fed: usize,
-        rows: Vec<Vec<f32>>,
-        toks: Vec<u32>,
-    }
-    let bs = runner.kv_geometry().block_size;
-    let mut alloc = BlockAllocator::new(BLOCKS);
-    let mut st: Vec<St> = prompts
-        .iter()
-        .map(|p| {
-            let mut table = Vec::new();
-            alloc
-                .ensure(&mut table, p.len() + steps, bs)
-                .expect("blocks");
-            St {
-                table,
-                fed: 0,
-                rows: Vec::new(),
-                toks: Vec::new(),
-            }
-        })
-        .collect();
-    let half = prompts.len().div_ceil(2);
-    for step in 0.. {
-        let mut batch = Batch::default();
-        let mut members = Vec::new();
-        for (i, (p, s)) in prompts.iter().zip(&st).enumerate() {
-            if step == 0 && i >= half || s.toks.len() == steps {
-                continue;
-            }
-            let tokens = if s.fed < p.len() {
-                p[s.fed..p.len().min(s.fed + 40)].to_vec()
-            } else {
-                vec![*s.toks.last().expect("a sampled token")]
-            };
-            batch
-                .seqs
-                .push(chunk(&tokens, s.fed, &s.table, LogitsWanted::All));
-            members.push(i);
-        }
-        if members.is_empty() {
-            break;
-        }
-        let out = runner.forward(&batch).expect("batched forward");
-        for (k, &i) in members.iter().enumerate() {
-            let s = &mut st[i];
-            s.fed += batch.seqs[k].tokens.len();
-            s.rows.extend(out.rows_of(k).map(<[f32]>::to_vec));
-            if s.fed >= prompts[i].len() {
-                s.toks.push(argmax(s.rows.last().expect("a row")) as u32);
-            }
-        }
-    }
-    st.into_iter().map(|s| (s.rows, s.toks)).collect()
-}
-
 #[test]
 fn pipeline_2_serves_16_concurrent_sequences_as_the_single_process_does_alone() {
-    let oracle = oracle();
-    let mut prompts: Vec<Vec<u32>> = oracle
-        .prompts
-        .iter()
-        .map(|p| p.prompt_tokens.clone())
-        .collect();
-    // Sixteen sequences of mixed lengths: the oracle prompts and cuts of them.
-    let mut cut = 0;
-    while prompts.len() < 16 {
-        let p = &oracle.prompts[cut % oracle.prompts.len()].prompt_tokens;
-        prompts.push(p[..(2 + 7 * cut).min(p.len())].to_vec());
-        cut += 1;
-    }
-    prompts.truncate(16);
+    let prompts = sixteen_prompts();
     let steps = 4;
     let solo: Vec<_> = {
         let mut whole = single();
@@ -360,7 +143,7 @@ fn pipeline_2_serves_16_concurrent_sequences_as_the_single_process_does_alone() 
             .map(|p| batched(&mut *whole, std::slice::from_ref(p), steps).remove(0))
             .collect()
     };
-    let (mut runner, workers) = group(2);
+    let (mut runner, workers) = group(1, 2);
     let together = batched(&mut runner, &prompts, steps);
     let mut max = 0f32;
     for (i, ((rows, toks), (solo_rows, solo_toks))) in together.iter().zip(&solo).enumerate() {
@@ -424,7 +207,7 @@ fn pipeline_2_samples_on_its_last_stage_as_the_single_process_does() {
         ]
     };
     let mut whole = single();
-    let (mut runner, workers) = group(2);
+    let (mut runner, workers) = group(1, 2);
     let mut alloc = BlockAllocator::new(BLOCKS);
     let steps = 6;
     let tables: Vec<Vec<u32>> = prompts
@@ -467,86 +250,12 @@ fn pipeline_2_samples_on_its_last_stage_as_the_single_process_does() {
     finish(runner, workers);
 }
 
-/// A transport that counts the payload bytes it sends.
-struct Counting {
-    inner: TcpTransport,
-    sent: Arc<AtomicU64>,
-}
-
-impl Counting {
-    fn count(&self, bytes: usize) {
-        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-}
-
-impl Transport for Counting {
-    type Tensor = [f32];
-
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn send_bytes(
-        &mut self,
-        to: usize,
-        step: u64,
-        kind: FrameKind,
-        payload: &[u8],
-    ) -> Result<(), TransportError> {
-        self.count(payload.len());
-        self.inner.send_bytes(to, step, kind, payload)
-    }
-
-    fn recv_bytes(
-        &mut self,
-        from: usize,
-        step: u64,
-        kind: FrameKind,
-    ) -> Result<&[u8], TransportError> {
-        self.inner.recv_bytes(from, step, kind)
-    }
-
-    fn send_tensor(
-        &mut self,
-        to: usize,
-        step: u64,
-        kind: FrameKind,
-        tensor: &[f32],
-    ) -> Result<(), TransportError> {
-        self.count(size_of_val(tensor));
-        self.inner.send_tensor(to, step, kind, tensor)
-    }
-
-    fn recv_tensor(
-        &mut self,
-        from: usize,
-        step: u64,
-        kind: FrameKind,
-        out: &mut [f32],
-    ) -> Result<(), TransportError> {
-        self.inner.recv_tensor(from, step, kind, out)
-    }
-
-    fn all_reduce_sum(
-        &mut self,
-        ranks: &[usize],
-        step: u64,
-        buf: &mut [f32],
-    ) -> Result<(), TransportError> {
-        self.inner.all_reduce_sum(ranks, step, buf)
-    }
-}
-
 #[test]
 fn a_decode_step_of_16_streams_sends_hidden_states_down_and_only_tokens_back() {
     let (leader_sent, worker_sent) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let (l, w) = (Arc::clone(&leader_sent), Arc::clone(&worker_sent));
     let (mut runner, workers) = group_with(
-        2,
+        (1, 2),
         LONG,
         |inner| Counting { inner, sent: l },
         move |inner| Counting {
@@ -613,96 +322,10 @@ fn a_decode_step_of_16_streams_sends_hidden_states_down_and_only_tokens_back() {
     finish(runner, workers);
 }
 
-/// A worker transport that, once `batches` step frames have arrived, drops its
-/// connections at the next call: the worker dies mid-step, after the step's
-/// description and before the hidden states.
-struct DiesMidStep {
-    inner: Option<TcpTransport>,
-    batches: usize,
-}
-
-impl DiesMidStep {
-    fn live(&mut self) -> Result<&mut TcpTransport, TransportError> {
-        if self.batches == 0 {
-            self.inner = None;
-        }
-        self.inner
-            .as_mut()
-            .ok_or_else(|| TransportError::Local("the test dropped this rank's links".into()))
-    }
-}
-
-impl Transport for DiesMidStep {
-    type Tensor = [f32];
-
-    fn rank(&self) -> usize {
-        self.inner.as_ref().map_or(1, Transport::rank)
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.as_ref().map_or(2, Transport::world_size)
-    }
-
-    fn send_bytes(
-        &mut self,
-        to: usize,
-        step: u64,
-        kind: FrameKind,
-        payload: &[u8],
-    ) -> Result<(), TransportError> {
-        self.live()?.send_bytes(to, step, kind, payload)
-    }
-
-    fn recv_bytes(
-        &mut self,
-        from: usize,
-        step: u64,
-        kind: FrameKind,
-    ) -> Result<&[u8], TransportError> {
-        self.live()?;
-        if kind == FrameKind::Batch {
-            self.batches -= 1;
-        }
-        self.inner
-            .as_mut()
-            .ok_or_else(|| TransportError::Local("no links".into()))?
-            .recv_bytes(from, step, kind)
-    }
-
-    fn send_tensor(
-        &mut self,
-        to: usize,
-        step: u64,
-        kind: FrameKind,
-        tensor: &[f32],
-    ) -> Result<(), TransportError> {
-        self.live()?.send_tensor(to, step, kind, tensor)
-    }
-
-    fn recv_tensor(
-        &mut self,
-        from: usize,
-        step: u64,
-        kind: FrameKind,
-        out: &mut [f32],
-    ) -> Result<(), TransportError> {
-        self.live()?.recv_tensor(from, step, kind, out)
-    }
-
-    fn all_reduce_sum(
-        &mut self,
-        ranks: &[usize],
-        step: u64,
-        buf: &mut [f32],
-    ) -> Result<(), TransportError> {
-        self.live()?.all_reduce_sum(ranks, step, buf)
-    }
-}
-
 #[test]
 fn a_worker_dying_mid_step_fails_the_leaders_step_naming_it() {
     let (mut runner, mut workers) = group_with(
-        2,
+        (1, 2),
         LONG,
         |t| t,
         |t| DiesMidStep {
@@ -747,7 +370,7 @@ fn a_worker_dying_mid_step_fails_the_leaders_step_naming_it() {
 
 #[test]
 fn the_leader_dying_mid_step_ends_the_workers_loop_naming_rank_0() {
-    let group = layout(2);
+    let group = layout(1, 2);
     let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
     let leader = listener.local_addr().expect("its address").to_string();
     let config = tcp_config(1, 2, &leader, LONG);

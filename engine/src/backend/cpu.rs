@@ -23,6 +23,12 @@
 //! from token ids or the previous stage's hidden states and ends with logits or
 //! hidden states for the next. Whole passes and stages run the same layer loop, so a
 //! pipeline's logits are the single process's, bit for bit.
+//!
+//! Tensor shards ([`CpuBackend::forward_shard`]): a backend may hold, of each layer,
+//! some query heads with the KV heads they read and some MLP columns
+//! ([`crate::model::llama::TensorShard`]); the same loop then runs attention over
+//! its heads only and hands the output and down projections' partial products to
+//! the caller's all-reduce before each residual add.
 
 use std::sync::Arc;
 
@@ -98,6 +104,10 @@ pub enum StageInput<'a> {
     Hidden(&'a mut Vec<f32>),
 }
 
+/// Completes a tensor shard's partial products: replaces the buffer with its sum over
+/// the stage's tensor ranks ([`CpuBackend::forward_shard`]).
+pub type AllReduce<'a> = &'a mut (dyn FnMut(&mut [f32]) -> Result<(), BackendError> + Send);
+
 /// What a pipeline step produced.
 #[derive(Debug)]
 pub enum StageOutput<'a> {
@@ -148,9 +158,10 @@ impl CpuBackend {
     pub fn new(weights: Arc<LlamaWeights>, config: &CpuConfig) -> Result<Self, String> {
         config.validate().map_err(|e| e.to_string())?;
         let c = &weights.config;
+        // A tensor rank stores the KV heads of its shard only.
         let layout = KvLayout {
             block_size: config.block_size,
-            kv_heads: c.n_kv_heads,
+            kv_heads: weights.part.shard_of(c).kv_heads.len(),
             head_dim: c.head_dim,
         };
         // A pipeline stage stores its own layers only; the block ids are the leader's,
@@ -188,6 +199,9 @@ impl CpuBackend {
     pub fn with_adapters(mut self, adapters: Vec<Arc<LoraAdapter>>) -> Result<Self, String> {
         let c = &self.weights.config;
         let (dim, kv, ffn) = (c.dim, c.kv_dim(), c.ffn_dim);
+        if self.weights.part.shard.is_some() && !adapters.is_empty() {
+            return Err("LoRA adapters on a tensor shard are not supported".to_owned());
+        }
         if adapters.len() > usize::from(u16::MAX) {
             return Err(format!(
                 "{} LoRA adapters; at most {}",
@@ -237,6 +251,22 @@ impl CpuBackend {
         batch: &Batch,
         input: StageInput<'_>,
     ) -> Result<StageOutput<'_>, BackendError> {
+        self.forward_shard(batch, input, &mut |_| Ok(()))
+    }
+
+    /// [`CpuBackend::forward_stage`] on a tensor shard: `all_reduce` replaces each
+    /// layer's partial attention output and partial MLP output (`tokens × dim`) with
+    /// their sum over the stage's tensor ranks, twice per layer, in layer order. It
+    /// runs on the backend's pool, hence `Send`.
+    ///
+    /// # Errors
+    /// As [`CpuBackend::forward_stage`], and whatever `all_reduce` returns.
+    pub fn forward_shard(
+        &mut self,
+        batch: &Batch,
+        input: StageInput<'_>,
+        all_reduce: AllReduce<'_>,
+    ) -> Result<StageOutput<'_>, BackendError> {
         self.validate(batch)?;
         let logits = if batch.seqs.is_empty() {
             self.weights.head.as_ref().map(|_| Logits {
@@ -245,7 +275,7 @@ impl CpuBackend {
             })
         } else {
             let pool = Arc::clone(&self.pool);
-            pool.install(|| self.step_inner(batch, input))?
+            pool.install(|| self.step_inner(batch, input, all_reduce))?
         };
         Ok(match logits {
             Some(logits) => StageOutput::Logits(logits),
@@ -323,6 +353,7 @@ impl CpuBackend {
         &mut self,
         batch: &Batch,
         input: StageInput<'_>,
+        all_reduce: AllReduce<'_>,
     ) -> Result<Option<Logits>, BackendError> {
         let w = Arc::clone(&self.weights);
         let dim = w.config.dim;
@@ -360,20 +391,29 @@ tokens of width {dim}{}",
                 std::mem::swap(x, hidden);
             }
         }
-        self.run_layers(batch)?;
+        self.run_layers(batch, all_reduce)?;
         w.head
             .as_ref()
             .map(|head| self.output_head(batch, head))
             .transpose()
     }
 
-    /// The layer loop over the step's hidden states in `scratch.x`.
-    fn run_layers(&mut self, batch: &Batch) -> Result<(), BackendError> {
+    /// The layer loop over the step's hidden states in `scratch.x`, over the heads
+    /// and MLP columns this backend holds (all of them, or a tensor shard's).
+    fn run_layers(&mut self, batch: &Batch, all_reduce: AllReduce<'_>) -> Result<(), BackendError> {
         let w = Arc::clone(&self.weights);
         let c = &w.config;
         let first_layer = w.part.layers.start;
         let isa = self.isa;
-        let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
+        let shard = w.part.shard_of(c);
+        let (dim, hd) = (c.dim, c.head_dim);
+        // This backend's query width, KV width and MLP width: the whole model's
+        // without a shard.
+        let (qd, kvd, ffn) = (
+            shard.q_heads.len() * hd,
+            shard.kv_heads.len() * hd,
+            shard.ffn.len(),
+        );
         let group = c.n_heads / c.n_kv_heads;
         let layout = self.kv.layout();
         let bs = layout.block_size;
@@ -393,21 +433,22 @@ tokens of width {dim}{}",
             .collect();
         let sc = &mut self.scratch;
         sc.h.resize(n * dim, 0.0);
-        sc.attn.resize(n * dim, 0.0);
-        sc.attn_tiles.resize(n * dim, 0.0);
-        let tiles = attention_tiles(batch, c.n_kv_heads);
-        sc.ffn.resize(n * c.ffn_dim, 0.0);
+        sc.attn.resize(n * qd, 0.0);
+        sc.attn_tiles.resize(n * qd, 0.0);
+        let tiles = attention_tiles(batch, shard.kv_heads.len());
+        sc.ffn.resize(n * ffn, 0.0);
         let scale = 1.0 / (hd as f32).sqrt();
         let segments = batch.adapter_segments();
         let adapters = &self.adapters;
-        let qkv_w = dim + 2 * kvd;
+        let qkv_w = qd + 2 * kvd;
+        // Adapters are refused on shards, so these offsets are the whole model's.
         let (qkv_lora, gate_up_lora) = (
             [
                 (Projection::Q, 0),
-                (Projection::K, dim),
-                (Projection::V, dim + kvd),
+                (Projection::K, qd),
+                (Projection::V, qd + kvd),
             ],
-            [(Projection::Gate, 0), (Projection::Up, c.ffn_dim)],
+            [(Projection::Gate, 0), (Projection::Up, ffn)],
         );
         for (li, layer) in w.layers.iter().enumerate() {
             // LoRA adapters are indexed by model layer, the stage's KV by its own.
@@ -423,8 +464,8 @@ tokens of width {dim}{}",
             );
             for t in 0..n {
                 let row = &mut sc.qkv[t * qkv_w..(t + 1) * qkv_w];
-                ops::rope_in_place(&mut row[..dim + kvd], hd, &rope[t]);
-                let (k, v) = row[dim..].split_at(kvd);
+                ops::rope_in_place(&mut row[..qd + kvd], hd, &rope[t]);
+                let (k, v) = row[qd..].split_at(kvd);
                 let s = &batch.seqs[seq_of[t]];
                 self.kv
                     .write(li, s.block_table[pos[t] / bs], pos[t] % bs, k, v);
@@ -460,7 +501,7 @@ tokens of width {dim}{}",
                     attend(isa, &t, scratch, out);
                 });
             let rows = tiles.iter().flat_map(|tile| {
-                (tile.token()..tile.token() + tile.tokens).map(|t| t * dim + tile.kv_head * width)
+                (tile.token()..tile.token() + tile.tokens).map(|t| t * qd + tile.kv_head * width)
             });
             for (at, src) in rows.zip(sc.attn_tiles.chunks_exact(width)) {
                 sc.attn[at..at + width].copy_from_slice(src);
@@ -477,9 +518,11 @@ tokens of width {dim}{}",
                 adapters,
                 &segments,
                 (model_layer, &[(Projection::O, 0)]),
-                (&sc.attn, dim),
+                (&sc.attn, qd),
                 (&mut sc.proj, dim),
             );
+            // A shard's product is a partial sum over its heads.
+            all_reduce(&mut sc.proj)?;
             ops::add_in_place(&mut sc.x, &sc.proj);
             ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
             Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.gate_up)?;
@@ -488,9 +531,9 @@ tokens of width {dim}{}",
                 &segments,
                 (model_layer, &gate_up_lora),
                 (&sc.h, dim),
-                (&mut sc.gate_up, 2 * c.ffn_dim),
+                (&mut sc.gate_up, 2 * ffn),
             );
-            ops::swiglu(&sc.gate_up, c.ffn_dim, &mut sc.ffn);
+            ops::swiglu(&sc.gate_up, ffn, &mut sc.ffn);
             Self::run_linear(
                 isa,
                 std::slice::from_ref(&layer.down),
@@ -503,9 +546,11 @@ tokens of width {dim}{}",
                 adapters,
                 &segments,
                 (model_layer, &[(Projection::Down, 0)]),
-                (&sc.ffn, c.ffn_dim),
+                (&sc.ffn, ffn),
                 (&mut sc.proj, dim),
             );
+            // A shard's product is a partial sum over its MLP columns.
+            all_reduce(&mut sc.proj)?;
             ops::add_in_place(&mut sc.x, &sc.proj);
         }
         Ok(())
@@ -618,7 +663,7 @@ impl ModelRunner for CpuBackend {
         // Running the whole step inside the pool keeps the caller's thread a worker,
         // so each product's fork/join does not cross into a sleeping thread.
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.step_inner(batch, StageInput::Tokens))?
+        pool.install(|| self.step_inner(batch, StageInput::Tokens, &mut |_| Ok(())))?
             .ok_or_else(|| BackendError::Stage("a whole model returned no logits".into()))
     }
 }

@@ -7,6 +7,7 @@
 //! embedding (tied). Projections reading the same input (Q/K/V, gate/up) are stacked
 //! into one matrix when their formats allow, so each runs as one product.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::kernels::{self, KernelError, PackedMatrix, QuantActs, RowSource, WeightFormat};
@@ -280,9 +281,25 @@ pub struct OutputHead {
     pub output: Linear,
 }
 
+/// One tensor rank's shard of every layer it holds: its query heads with the KV heads
+/// they read, and its MLP hidden columns. Q/K/V and gate/up keep only the shard's
+/// output rows (column-parallel); the attention output and down projections keep only
+/// the shard's input columns (row-parallel), so each rank's product is a partial sum
+/// of the whole one and an all-reduce completes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorShard {
+    /// Query heads held.
+    pub q_heads: Range<usize>,
+    /// KV heads held: the ones the query heads read.
+    pub kv_heads: Range<usize>,
+    /// MLP hidden columns held.
+    pub ffn: Range<usize>,
+}
+
 /// Which part of a model a process holds: a contiguous run of layers, with the token
-/// embedding when it is the first stage and the output head when it is the last. A
-/// single process holds the whole model ([`ModelPart::whole`]).
+/// embedding when it is the first stage and the output head when it is the last, and
+/// of each layer a tensor shard or all of it. A single process holds the whole model
+/// ([`ModelPart::whole`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelPart {
     /// The layers, as model layer indices.
@@ -291,6 +308,8 @@ pub struct ModelPart {
     pub embeds: bool,
     /// Whether the final norm and output head are held (the last stage).
     pub head: bool,
+    /// The tensor shard of each layer held; `None` for whole layers.
+    pub shard: Option<TensorShard>,
 }
 
 impl ModelPart {
@@ -301,7 +320,18 @@ impl ModelPart {
             layers: 0..n_layers,
             embeds: true,
             head: true,
+            shard: None,
         }
+    }
+
+    /// The shard this part holds of `config`'s layers: all of them without one.
+    #[must_use]
+    pub fn shard_of(&self, config: &LlamaConfig) -> TensorShard {
+        self.shard.clone().unwrap_or(TensorShard {
+            q_heads: 0..config.n_heads,
+            kv_heads: 0..config.n_kv_heads,
+            ffn: 0..config.ffn_dim,
+        })
     }
 
     /// Whether this is the whole model of `n_layers` layers.
@@ -359,20 +389,59 @@ fn matrix<'a>(
     Ok((t, f))
 }
 
+/// The bytes of rows `rows` and input columns `cols` of a `total_cols`-wide matrix
+/// stored as `data`: borrowed when whole rows are kept, else one copy of the kept
+/// columns of each row (a row-parallel shard), which must start and end on quant
+/// blocks.
+fn shard_bytes<'a>(
+    name: &str,
+    data: &'a [u8],
+    format: WeightFormat,
+    total_cols: usize,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+) -> Result<Cow<'a, [u8]>, ModelError> {
+    let kerr = |source| ModelError::Kernel {
+        tensor: name.to_owned(),
+        source,
+    };
+    let row_bytes = format.row_bytes(total_cols).map_err(kerr)?;
+    let kept = data
+        .get(rows.start * row_bytes..rows.end * row_bytes)
+        .ok_or_else(|| ModelError::Invalid(format!("{name}: rows {rows:?} outside the data")))?;
+    if *cols == (0..total_cols) {
+        return Ok(Cow::Borrowed(kept));
+    }
+    let start = format.row_bytes(cols.start).map_err(kerr)?;
+    let end = format.row_bytes(cols.end).map_err(kerr)?;
+    let mut out = Vec::with_capacity(rows.len() * (end - start));
+    for row in kept.chunks_exact(row_bytes) {
+        out.extend_from_slice(&row[start..end]);
+    }
+    Ok(Cow::Owned(out))
+}
+
 /// Builds the layer(s) for matrices that read the same input: one stacked packed
-/// matrix when all share a block format, else one layer each.
+/// matrix when all share a block format, else one layer each. Each part is `(name,
+/// rows, kept rows)`, and every part keeps input columns `cols` of `total_cols`.
 fn stacked(
     file: &GgufFile,
-    parts: &[(&str, usize)],
-    cols: usize,
+    parts: &[(&str, usize, Range<usize>)],
+    total_cols: usize,
+    cols: &Range<usize>,
 ) -> Result<Vec<Linear>, ModelError> {
     let views = parts
         .iter()
-        .map(|&(n, r)| matrix(file, n, r, cols))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|(n, r, kept)| {
+            let (t, f) = matrix(file, n, *r, total_cols)?;
+            let data = shard_bytes(n, t.data, f, total_cols, kept, cols)?;
+            Ok((data, f, kept.len()))
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let cols = cols.len();
     let same_quant = views
         .iter()
-        .all(|(_, f)| *f == views[0].1 && matches!(f, WeightFormat::Q4_1 | WeightFormat::Q8_0));
+        .all(|(_, f, _)| *f == views[0].1 && matches!(f, WeightFormat::Q4_1 | WeightFormat::Q8_0));
     let kerr = |tensor: &str| {
         let tensor = tensor.to_owned();
         move |source| ModelError::Kernel { tensor, source }
@@ -380,11 +449,10 @@ fn stacked(
     if same_quant && views.len() > 1 {
         let sources: Vec<RowSource<'_>> = views
             .iter()
-            .zip(parts)
-            .map(|((t, f), &(_, rows))| RowSource {
+            .map(|(data, f, rows)| RowSource {
                 format: *f,
-                rows,
-                data: t.data,
+                rows: *rows,
+                data,
             })
             .collect();
         return Ok(vec![Linear::Packed(
@@ -394,19 +462,20 @@ fn stacked(
     views
         .iter()
         .zip(parts)
-        .map(|((t, f), &(name, rows))| match f {
+        .map(|((data, f, rows), (name, _, _))| match f {
             WeightFormat::Q4_1 | WeightFormat::Q8_0 => PackedMatrix::pack(
                 cols,
                 &[RowSource {
                     format: *f,
-                    rows,
-                    data: t.data,
+                    rows: *rows,
+                    data,
                 }],
             )
             .map(Linear::Packed)
             .map_err(kerr(name)),
             WeightFormat::F16 | WeightFormat::F32 => {
-                kernels::pack::dequantize_matrix(*f, t.data, rows, cols)
+                let rows = *rows;
+                kernels::pack::dequantize_matrix(*f, data, rows, cols)
                     .map(|w| Linear::Dense { rows, cols, w })
                     .map_err(kerr(name))
             }
@@ -414,8 +483,15 @@ fn stacked(
         .collect()
 }
 
-fn single(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Linear, ModelError> {
-    let mut v = stacked(file, &[(name, rows)], cols)?;
+/// One matrix, keeping input columns `cols` of `total_cols` (all rows).
+fn single(
+    file: &GgufFile,
+    name: &str,
+    rows: usize,
+    total_cols: usize,
+    cols: &Range<usize>,
+) -> Result<Linear, ModelError> {
+    let mut v = stacked(file, &[(name, rows, 0..rows)], total_cols, cols)?;
     v.pop()
         .ok_or_else(|| ModelError::Invalid(format!("{name} produced no layer")))
 }
@@ -448,8 +524,9 @@ impl LlamaWeights {
         Self::load_part(file, c, &whole)
     }
 
-    /// Loads and repacks only the tensors of `part`: a pipeline stage's layers, and
-    /// the embedding or the head when it holds them.
+    /// Loads and repacks only the tensors of `part`: a pipeline stage's layers (of
+    /// each only its [`TensorShard`]'s rows and columns), and the embedding or the
+    /// head when it holds them.
     ///
     /// Memory: the file stays memory-mapped whole, but only `part`'s tensors are read
     /// (and copied into the kernels' packed layout), so the other stages' pages are
@@ -484,6 +561,23 @@ impl LlamaWeights {
         } else {
             None
         };
+        let shard = part.shard_of(&c);
+        if shard.q_heads.end > c.n_heads
+            || shard.kv_heads.end > c.n_kv_heads
+            || shard.ffn.end > ffn
+            || shard.q_heads.len() * c.n_kv_heads != shard.kv_heads.len() * c.n_heads
+            || shard.q_heads.start * c.n_kv_heads != shard.kv_heads.start * c.n_heads
+        {
+            return Err(ModelError::Invalid(format!(
+                "{shard:?} is not a shard of {} query heads reading {} KV heads and {ffn} \
+MLP columns",
+                c.n_heads, c.n_kv_heads
+            )));
+        }
+        let hd = c.head_dim;
+        let q_rows = shard.q_heads.start * hd..shard.q_heads.end * hd;
+        let kv_rows = shard.kv_heads.start * hd..shard.kv_heads.end * hd;
+        let all_dim = 0..dim;
         let mut layers = Vec::with_capacity(part.layers.len());
         for i in part.layers.clone() {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
@@ -491,13 +585,26 @@ impl LlamaWeights {
                 attn_norm: vector(file, &n("attn_norm"), dim)?,
                 qkv: stacked(
                     file,
-                    &[(&n("attn_q"), dim), (&n("attn_k"), kv), (&n("attn_v"), kv)],
+                    &[
+                        (&n("attn_q"), dim, q_rows.clone()),
+                        (&n("attn_k"), kv, kv_rows.clone()),
+                        (&n("attn_v"), kv, kv_rows.clone()),
+                    ],
                     dim,
+                    &all_dim,
                 )?,
-                wo: single(file, &n("attn_output"), dim, dim)?,
+                wo: single(file, &n("attn_output"), dim, dim, &q_rows)?,
                 ffn_norm: vector(file, &n("ffn_norm"), dim)?,
-                gate_up: stacked(file, &[(&n("ffn_gate"), ffn), (&n("ffn_up"), ffn)], dim)?,
-                down: single(file, &n("ffn_down"), dim, ffn)?,
+                gate_up: stacked(
+                    file,
+                    &[
+                        (&n("ffn_gate"), ffn, shard.ffn.clone()),
+                        (&n("ffn_up"), ffn, shard.ffn.clone()),
+                    ],
+                    dim,
+                    &all_dim,
+                )?,
+                down: single(file, &n("ffn_down"), dim, ffn, &shard.ffn)?,
             });
         }
         let head = if part.head {
@@ -508,7 +615,7 @@ impl LlamaWeights {
             };
             Some(OutputHead {
                 norm: vector(file, "output_norm.weight", dim)?,
-                output: single(file, output_name, c.vocab, dim)?,
+                output: single(file, output_name, c.vocab, dim, &all_dim)?,
             })
         } else {
             None

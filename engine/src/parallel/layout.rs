@@ -12,10 +12,12 @@
 //!   projection cuts every weight row at those columns.
 //! - Embedding: replicated on every tensor rank of the first stage (a lookup costs
 //!   nothing; a vocab-parallel embedding would need one more all-reduce).
-//! - Output head: vocab-parallel on the last stage. Each of its tensor ranks computes
-//!   the logits of its vocab range and sends them to the leader, which concatenates
-//!   them in tensor-rank order: no rank computes or holds the whole head, and the
-//!   gather is the hop to the leader that sampling needs anyway.
+//! - Output head: whole, on tensor rank 0 of the last stage only (the other tensor
+//!   ranks of that stage hold no head). Sampling needs a sequence's whole row of
+//!   logits in one place, and the head rank samples beside them and sends the leader
+//!   only the tokens; a vocab-parallel head would save that rank the head's memory
+//!   (SmolLM2's is tied to the 28 MB embedding) at the price of gathering every
+//!   logits row, 192 KiB per sequence per step.
 //! - Ranks: `rank = stage × tensor + tensor_rank` (the contract's `--rank`); rank 0 is
 //!   the leader. Hidden states go from a rank to the rank with the same tensor rank in
 //!   the next stage: after the all-reduce every tensor rank holds the same hidden
@@ -115,8 +117,6 @@ which is not a whole number of {row_block}-element quantisation blocks of the ou
         ffn_dim: usize,
         row_block: usize,
     },
-    #[error("tensor {tensor} is more ranks than the model's {vocab} vocabulary rows")]
-    VocabTooSmall { tensor: usize, vocab: usize },
     #[error("pipeline {pipeline} is more stages than the model's {layers} layers")]
     PipelineExceedsLayers { pipeline: usize, layers: usize },
     #[error("rank {rank} is outside a group of {world} ranks")]
@@ -134,8 +134,6 @@ pub struct ParallelLayout {
     stages: Vec<Range<usize>>,
     /// MLP column range of each tensor rank; they tile `0..ffn_dim`.
     ffn: Vec<Range<usize>>,
-    /// Vocab range of each tensor rank (the last stage's head); they tile `0..vocab`.
-    vocab: Vec<Range<usize>>,
 }
 
 /// What one rank holds and computes.
@@ -151,8 +149,9 @@ pub struct RankLayout {
     pub layers: Range<usize>,
     /// Whether this rank embeds tokens (the first stage).
     pub embeds: bool,
-    /// Vocab rows of the output head this rank computes, on the last stage only.
-    pub head: Option<Range<usize>>,
+    /// Whether this rank holds and runs the final norm and the output head (tensor
+    /// rank 0 of the last stage).
+    pub head: bool,
     /// Query heads of this rank.
     pub q_heads: Range<usize>,
     /// KV heads of this rank (the ones its query heads read).
@@ -249,10 +248,6 @@ impl ParallelLayout {
             ffn_dim: s.ffn_dim,
             row_block: s.row_block,
         })?;
-        let vocab = split(s.vocab, tensor, 1).ok_or(LayoutError::VocabTooSmall {
-            tensor,
-            vocab: s.vocab,
-        })?;
         let stages = split(s.n_layers, pipeline, 1).ok_or(LayoutError::PipelineExceedsLayers {
             pipeline,
             layers: s.n_layers,
@@ -263,7 +258,6 @@ impl ParallelLayout {
             pipeline,
             stages,
             ffn,
-            vocab,
         })
     }
 
@@ -303,12 +297,11 @@ impl ParallelLayout {
         stage * self.tensor + tensor_rank
     }
 
-    /// The ranks that compute the output head (the last stage), in tensor-rank order:
-    /// the order in which the leader concatenates their logits.
+    /// The rank that computes the output head and samples: tensor rank 0 of the
+    /// last stage.
     #[must_use]
-    pub fn head_ranks(&self) -> Range<usize> {
-        let first = self.rank_at(self.pipeline - 1, 0);
-        first..first + self.tensor
+    pub fn head_rank(&self) -> usize {
+        self.rank_at(self.pipeline - 1, 0)
     }
 
     /// What `rank` holds and computes.
@@ -331,7 +324,7 @@ impl ParallelLayout {
             tensor_rank,
             layers: self.stages[stage].clone(),
             embeds: stage == 0,
-            head: last.then(|| self.vocab[tensor_rank].clone()),
+            head: last && tensor_rank == 0,
             q_heads: tensor_rank * heads..(tensor_rank + 1) * heads,
             kv_heads: tensor_rank * kv_heads..(tensor_rank + 1) * kv_heads,
             ffn: self.ffn[tensor_rank].clone(),
@@ -416,11 +409,9 @@ mod tests {
             // Query head h reads KV head h / 3: each rank's queries read its own KV heads.
             assert!(r.q_heads.clone().all(|h| r.kv_heads.contains(&(h / 3))));
         }
-        let heads: Vec<_> = ranks.iter().map(|r| r.head.clone()).collect();
-        assert_eq!(
-            heads,
-            [Some(0..16384), Some(16384..32768), Some(32768..49152)]
-        );
+        let heads: Vec<_> = ranks.iter().map(|r| r.head).collect();
+        assert_eq!(heads, [true, false, false]);
+        assert_eq!(l.head_rank(), 0);
     }
 
     #[test]
@@ -451,12 +442,12 @@ mod tests {
         let l = layout(&smollm2(), 1, 2);
         assert_eq!(l.stage_layers(), [0..15, 15..30]);
         let (first, last) = (l.rank(0).expect("rank 0"), l.rank(1).expect("rank 1"));
-        assert!(first.embeds && first.head.is_none() && first.is_leader());
+        assert!(first.embeds && !first.head && first.is_leader());
         assert_eq!(first.sends_to, Some(1));
         assert!(!last.embeds);
-        assert_eq!(last.head, Some(0..49152));
+        assert!(last.head);
         assert_eq!(last.receives_from, Some(0));
-        assert_eq!(l.head_ranks(), 1..2);
+        assert_eq!(l.head_rank(), 1);
     }
 
     #[test]
@@ -469,9 +460,9 @@ mod tests {
         assert_eq!(r4.tensor_group, 3..6);
         assert_eq!(r4.receives_from, Some(1));
         assert_eq!(r4.q_heads, 3..6);
-        assert_eq!(r4.head, Some(16384..32768));
+        assert!(!r4.head && l.rank(3).expect("rank 3").head);
         assert_eq!(l.rank(1).expect("rank 1").sends_to, Some(4));
-        assert_eq!(l.head_ranks(), 3..6);
+        assert_eq!(l.head_rank(), 3);
         assert_eq!(
             l.rank(6),
             Err(LayoutError::RankOutOfRange { rank: 6, world: 6 })
@@ -568,12 +559,8 @@ mod tests {
                     stage0.iter().map(|r| r.ffn.len()).sum::<usize>(),
                     shape.ffn_dim
                 );
-                let head: usize = ranks
-                    .iter()
-                    .filter_map(|r| r.head.as_ref())
-                    .map(Range::len)
-                    .sum();
-                assert_eq!(head, shape.vocab);
+                let heads: Vec<_> = ranks.iter().filter(|r| r.head).map(|r| r.rank).collect();
+                assert_eq!(heads, [l.head_rank()]);
             }
         }
     }

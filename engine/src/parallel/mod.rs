@@ -14,12 +14,17 @@
 //!   same trait for CUDA, with device buffers as its tensors.
 //! - [`step`]: the leader's step frame (the batch: chunks, positions, block tables,
 //!   logits wanted, adapters; or idle, or stop), encoded once for every rank.
-//! - [`pipeline`]: pipeline parallelism on the CPU backend. [`StageRunner`] holds one
-//!   stage (its layers' weights only, its layers' KV blocks only, the leader's block
-//!   ids); [`PipelineRunner`] is the leader's [`crate::backend::ModelRunner`], running
-//!   stage 0 and driving the others, with keep-alives while idle so waiting workers
-//!   can tell an idle leader from a dead one; [`run_worker`] is a worker rank's loop.
-//!   Logits are bit-identical to the single process's (`tests/pipeline_parallel.rs`).
+//! - [`pipeline`]: tensor × pipeline groups on the CPU backend. [`StageRunner`] holds
+//!   one rank's part: its stage's layers, and of each only its tensor shard (its query
+//!   heads' Q rows and their KV heads' K/V rows, its MLP columns' gate/up rows, and the
+//!   matching input columns of the attention output and down projections), with a KV
+//!   store of its own layers and KV heads, addressed by the leader's block ids;
+//!   [`PipelineRunner`] is the leader's [`crate::backend::ModelRunner`], running its
+//!   part of stage 0 and driving the others, with keep-alives while idle so waiting
+//!   workers can tell an idle leader from a dead one; [`run_worker`] is a worker
+//!   rank's loop. Pipeline logits are bit-identical to the single process's
+//!   (`tests/pipeline_parallel.rs`); tensor-parallel ones differ by summation order
+//!   only (`tests/tensor_parallel.rs` states the tolerance).
 //!
 //! Rank numbering, shared with the contract's `--rank`: `rank = stage × tensor +
 //! tensor_rank`. Rank 0 is the leader: it serves HTTP, admits requests and runs the
@@ -37,15 +42,14 @@
 //! A failing rank tells its peers (an abort frame naming the rank it blames), so the
 //! whole group fails within about one step timeout, never hangs.
 //!
-//! Left to wire (the rest of #15):
-//! - Tensor parallelism in the forward pass, by [`layout::RankLayout`]: each rank maps
-//!   only its shard of the heads and MLP columns (row-parallel output and down
-//!   projections, one all-reduce after each); the last stage's tensor ranks compute
-//!   their vocab slice of the logits and send it to the leader. [`StageRunner`]
-//!   refuses `tensor > 1` until then.
-//! - `serve` runs pipeline groups (see `serve.rs`; workers answer only `/health` and
-//!   `/ready`, ready once the group formed); it refuses LoRA adapters and the CUDA
-//!   backend in a group.
+//! Left (the rest of #15):
+//! - A vocab-parallel output head (the head is whole on tensor rank 0 of the last
+//!   stage, see [`layout`]), and LoRA adapters on tensor shards (refused).
+//! - Overlap: a tensor rank computes nothing while its all-reduce is in flight, and a
+//!   step's stages run one after the other (no micro-batching, see [`pipeline`]).
+//! - `serve` runs tensor × pipeline groups (see `serve.rs`; workers answer only
+//!   `/health` and `/ready`, ready once the group formed); it refuses LoRA adapters
+//!   and the CUDA backend in a group. NCCL behind [`Transport`] for CUDA.
 //! - `make bench-parallel` and its table (decode and prefill tok/s, bytes and µs per
 //!   step, resident set per rank) in `engine/BENCHMARKS.md`.
 //! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and

@@ -1,22 +1,30 @@
-//! Pipeline parallelism on the CPU backend: each rank holds one stage (a contiguous
-//! run of layers, [`RankLayout::layers`]) and its KV blocks; the leader drives steps.
+//! Tensor × pipeline parallelism on the CPU backend: each rank holds one stage (a
+//! contiguous run of layers, [`RankLayout::layers`]), of each layer its tensor shard
+//! (see [`TensorShard`]), and the KV blocks of those layers and KV heads; the leader
+//! drives steps.
 //!
-//! A step, with `s` stages (rank = stage, as tensor parallelism is not wired here):
+//! A step, with `s` stages of `t` tensor ranks (rank = stage × t + tensor rank):
 //! 1. the leader (rank 0, stage 0) checks the batch, then sends its description
 //!    ([`StepFrame::Run`], or [`StepFrame::Sample`] with each sequence's sampling) to
 //!    every other rank;
-//! 2. stage 0 embeds the tokens, runs its layers and sends the hidden states
-//!    (`tokens × dim` f32) to stage 1; each stage runs its layers on what it
-//!    receives and passes the result on;
-//! 3. the last stage applies the final norm and the output head to the rows the
-//!    batch asked logits for. Serving's steps ([`ModelRunner::execute`]) carry each
+//! 2. every tensor rank of stage 0 embeds the tokens (the embedding is replicated)
+//!    and runs its layers over its shard: per layer, attention over its own query
+//!    and KV heads and an all-reduce (sum, in rank order, among the stage's tensor
+//!    ranks) of the output projection's partial product, then its MLP columns and a
+//!    second all-reduce of the down projection's; the norms and residual adds run
+//!    on every tensor rank over the same (reduced) states. Each tensor rank sends
+//!    the hidden states (`tokens × dim` f32, the same on all of them) to its peer of
+//!    stage 1, which runs its layers the same way, and so on;
+//! 3. tensor rank 0 of the last stage applies the final norm and the output head to
+//!    the rows the batch asked logits for (with one stage, that is the leader). Serving's steps ([`ModelRunner::execute`]) carry each
 //!    sequence's sampling, and the last stage samples beside its logits and sends the
 //!    leader only the tokens (11 bytes a sequence, where a logits row of SmolLM2 is
 //!    192 KiB); a [`ModelRunner::forward`] step sends the rows asked for (only
 //!    those) to the leader.
 //!
-//! Block ids come from the leader's scheduler and are valid on every stage: every
-//! stage's KV store has the same number of blocks, each holding its own layers only.
+//! Block ids come from the leader's scheduler and are valid on every rank: every
+//! rank's KV store has the same number of blocks, each holding its own layers' and
+//! KV heads' keys and values only.
 //!
 //! Steps run one at a time, without micro-batching: while stage 1 computes, stage 0
 //! waits for the logits. Micro-batching would overlap stages on different parts of a
@@ -47,7 +55,7 @@ use crate::backend::{
     validate_sampling,
 };
 use crate::model::gguf::GgufFile;
-use crate::model::llama::{LlamaConfig, LlamaWeights, ModelError, ModelPart};
+use crate::model::llama::{LlamaConfig, LlamaWeights, ModelError, ModelPart, TensorShard};
 use crate::model::lora::LoraAdapter;
 use crate::sampling::SeqSampling;
 
@@ -56,11 +64,6 @@ use crate::sampling::SeqSampling;
 pub enum PipelineError {
     #[error(transparent)]
     Layout(#[from] LayoutError),
-    #[error(
-        "tensor parallelism ({0} ranks per stage) is not wired into the forward pass yet; \
-only pipeline stages are"
-    )]
-    TensorUnsupported(usize),
     #[error("loading stage {stage} (layers {layers:?}): {source}")]
     Load {
         stage: usize,
@@ -101,15 +104,28 @@ impl PipelineError {
     }
 }
 
-/// One rank's stage: its CPU backend (holding only its layers) and where it sits in
-/// the group.
+impl PipelineError {
+    /// A step's error on a worker: a transport failure inside the step (an
+    /// all-reduce) keeps the rank it blames.
+    fn in_step(step: u64, source: BackendError) -> Self {
+        match source {
+            BackendError::Group(e) => Self::Transport(e),
+            source => Self::Step { step, source },
+        }
+    }
+}
+
+/// One rank's stage: its CPU backend (holding only its layers, and of each only its
+/// tensor shard) and where it sits in the group.
 #[derive(Debug)]
 pub struct StageRunner {
     backend: CpuBackend,
     layout: RankLayout,
     world: usize,
-    /// The rank that computes the logits (the last stage).
+    /// The rank that computes the logits (tensor rank 0 of the last stage).
     head_rank: usize,
+    /// The stage's tensor ranks, ascending: this rank's all-reduce set.
+    tensor_group: Vec<usize>,
 }
 
 impl StageRunner {
@@ -127,14 +143,12 @@ impl StageRunner {
         config: &CpuConfig,
     ) -> Result<Self, PipelineError> {
         let layout = group.rank(rank)?;
-        let weights =
-            LlamaWeights::from_gguf_part(file, &Self::part_of(&layout)).map_err(|source| {
-                PipelineError::Load {
-                    stage: layout.stage,
-                    layers: layout.layers.clone(),
-                    source,
-                }
-            })?;
+        let weights = LlamaWeights::from_gguf_part(file, &Self::part_of(&layout, group.tensor()))
+            .map_err(|source| PipelineError::Load {
+            stage: layout.stage,
+            layers: layout.layers.clone(),
+            source,
+        })?;
         let backend = CpuBackend::new(Arc::new(weights), config).map_err(PipelineError::Backend)?;
         Self::new(backend, group, rank)
     }
@@ -142,18 +156,14 @@ impl StageRunner {
     /// Wraps a backend already loaded with rank `rank`'s part of `group`.
     ///
     /// # Errors
-    /// [`PipelineError::Mismatch`] when the backend holds another part;
-    /// [`PipelineError::TensorUnsupported`] for a group with tensor parallelism.
+    /// [`PipelineError::Mismatch`] when the backend holds another part.
     pub fn new(
         backend: CpuBackend,
         group: &ParallelLayout,
         rank: usize,
     ) -> Result<Self, PipelineError> {
-        if group.tensor() != 1 {
-            return Err(PipelineError::TensorUnsupported(group.tensor()));
-        }
         let layout = group.rank(rank)?;
-        let want = Self::part_of(&layout);
+        let want = Self::part_of(&layout, group.tensor());
         if *backend.part() != want {
             return Err(PipelineError::Mismatch {
                 rank,
@@ -165,18 +175,47 @@ impl StageRunner {
         }
         Ok(Self {
             backend,
+            tensor_group: layout.tensor_group.clone().collect(),
             layout,
             world: group.world_size(),
-            head_rank: group.head_ranks().start,
+            head_rank: group.head_rank(),
         })
     }
 
-    fn part_of(layout: &RankLayout) -> ModelPart {
+    /// The model part of `layout` in a group of `tensor` ranks per stage.
+    #[must_use]
+    pub fn part_of(layout: &RankLayout, tensor: usize) -> ModelPart {
         ModelPart {
             layers: layout.layers.clone(),
             embeds: layout.embeds,
-            head: layout.head.is_some(),
+            head: layout.head,
+            shard: (tensor > 1).then(|| TensorShard {
+                q_heads: layout.q_heads.clone(),
+                kv_heads: layout.kv_heads.clone(),
+                ffn: layout.ffn.clone(),
+            }),
         }
+    }
+
+    /// Runs this rank's part of `step`: its layers over its shard, with the stage's
+    /// two all-reduces per layer through `transport` when the stage has several
+    /// tensor ranks.
+    fn run<'s, T: Transport<Tensor = [f32]> + Send>(
+        &'s mut self,
+        transport: &mut T,
+        batch: &Batch,
+        step: u64,
+        input: StageInput<'_>,
+    ) -> Result<StageOutput<'s>, BackendError> {
+        if self.tensor_group.len() == 1 {
+            return self.backend.forward_stage(batch, input);
+        }
+        let group = &self.tensor_group;
+        self.backend.forward_shard(batch, input, &mut |buf| {
+            transport
+                .all_reduce_sum(group, step, buf)
+                .map_err(BackendError::from)
+        })
     }
 
     /// The stage's backend.
@@ -216,7 +255,7 @@ impl StageRunner {
 /// [`PipelineError::Transport`] naming the peer that died, went silent or aborted
 /// the group; [`PipelineError::Frame`] for a step frame that cannot be read;
 /// [`PipelineError::Step`] for a step this stage could not run.
-pub fn run_worker<T: Transport<Tensor = [f32]>>(
+pub fn run_worker<T: Transport<Tensor = [f32]> + Send>(
     mut transport: T,
     stage: &mut StageRunner,
 ) -> Result<(), PipelineError> {
@@ -243,7 +282,7 @@ pub fn run_worker<T: Transport<Tensor = [f32]>>(
                 return Ok(());
             }
         };
-        let fail = |source| PipelineError::Step { step, source };
+        let fail = |source| PipelineError::in_step(step, source);
         // Checked before sizing the receive buffer by the batch's token count.
         stage.backend.validate(&batch).map_err(fail)?;
         if let Some(sampling) = &sampling {
@@ -257,13 +296,15 @@ pub fn run_worker<T: Transport<Tensor = [f32]>>(
             }
             None => StageInput::Tokens,
         };
-        match stage.backend.forward_stage(&batch, input).map_err(fail)? {
+        match stage
+            .run(&mut transport, &batch, step, input)
+            .map_err(fail)?
+        {
+            // The last stage's tensor ranks other than the head's are done.
             StageOutput::Hidden(x) => {
-                let to = me.sends_to.ok_or_else(|| PipelineError::Mismatch {
-                    rank: me.rank,
-                    detail: "a stage without a head has no next stage".to_owned(),
-                })?;
-                transport.send_tensor(to, step, FrameKind::Hidden, x)?;
+                if let Some(to) = me.sends_to {
+                    transport.send_tensor(to, step, FrameKind::Hidden, x)?;
+                }
             }
             StageOutput::Logits(logits) => match &sampling {
                 // Sampled here, beside the logits: only the tokens go back.
@@ -286,7 +327,7 @@ pub fn run_worker<T: Transport<Tensor = [f32]>>(
 /// LoRA adapters: a chunk's adapter id travels with the step; every rank must have
 /// loaded the same adapters in the same order.
 #[derive(Debug)]
-pub struct PipelineRunner<T: Transport<Tensor = [f32]>> {
+pub struct PipelineRunner<T: Transport<Tensor = [f32]> + Send> {
     stage: StageRunner,
     /// `None` once the group failed (dropping it closed the connections).
     transport: Option<T>,
@@ -304,17 +345,17 @@ pub struct PipelineRunner<T: Transport<Tensor = [f32]>> {
     failure: watch::Sender<Option<String>>,
 }
 
-impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
+impl<T: Transport<Tensor = [f32]> + Send> PipelineRunner<T> {
     /// The leader of a formed group: `stage` is rank 0's, `transport` rank 0's.
     ///
     /// # Errors
     /// [`PipelineError::Mismatch`] when either is not rank 0 of the same group.
     pub fn new(stage: StageRunner, transport: T) -> Result<Self, PipelineError> {
         stage.check_transport(&transport)?;
-        if !stage.layout.is_leader() || stage.layout.sends_to.is_none() {
+        if !stage.layout.is_leader() || stage.world < 2 {
             return Err(PipelineError::Mismatch {
                 rank: stage.layout.rank,
-                detail: "the pipeline's leader is rank 0 of a group of several stages".to_owned(),
+                detail: "the group's leader is rank 0 of a group of several ranks".to_owned(),
             });
         }
         Ok(Self {
@@ -417,53 +458,54 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
         sent.map(|()| step)
     }
 
-    /// Stage 0 of a step already broadcast: runs here, its hidden states to stage 1.
-    /// Returns the transport, for the step's reply.
-    fn run_stage_0(&mut self, batch: &Batch, step: u64) -> Result<&mut T, BackendError> {
-        let next = self
-            .stage
-            .layout
-            .sends_to
-            .ok_or_else(|| BackendError::Stage("the leader's stage has no next".into()))?;
+    /// The leader's part of a step already broadcast: stage 0's layers (with its
+    /// tensor group), the hidden states on to stage 1. Returns the logits when the
+    /// leader holds the head (a single stage of tensor ranks).
+    fn run_stage_0(&mut self, batch: &Batch, step: u64) -> Result<Option<Logits>, BackendError> {
+        let next = self.stage.layout.sends_to;
         let transport = match (&mut self.transport, &self.failed) {
             (Some(t), None) => t,
             (_, failed) => return Err(Self::ended(failed.as_ref())),
         };
-        match self
-            .stage
-            .backend
-            .forward_stage(batch, StageInput::Tokens)?
-        {
-            StageOutput::Hidden(x) => transport.send_tensor(next, step, FrameKind::Hidden, x)?,
-            StageOutput::Logits(_) => {
-                return Err(BackendError::Stage(
-                    "the leader's stage computed logits: not a pipeline".into(),
-                ));
+        match self.stage.run(transport, batch, step, StageInput::Tokens)? {
+            StageOutput::Hidden(x) => {
+                let next = next.ok_or_else(|| {
+                    BackendError::Stage("the leader's stage has neither a head nor a next".into())
+                })?;
+                transport.send_tensor(next, step, FrameKind::Hidden, x)?;
+                Ok(None)
             }
+            StageOutput::Logits(logits) => Ok(Some(logits)),
         }
-        Ok(transport)
     }
 
     /// A step whose last stage returns its logits.
     fn run_for_logits(&mut self, batch: &Batch, step: u64) -> Result<Logits, BackendError> {
         let (head_rank, vocab) = (self.stage.head_rank, self.stage.backend.config().vocab);
+        if let Some(logits) = self.run_stage_0(batch, step)? {
+            return Ok(logits);
+        }
         let (rows, spans) = batch.logits_rows();
         let mut data = vec![0f32; rows.len() * vocab];
-        self.run_stage_0(batch, step)?.recv_tensor(
-            head_rank,
-            step,
-            FrameKind::Logits,
-            &mut data,
-        )?;
+        self.transport()?
+            .recv_tensor(head_rank, step, FrameKind::Logits, &mut data)?;
         Ok(Logits { vocab, data, spans })
     }
 
     /// A step whose last stage samples and returns the tokens.
-    fn run_for_tokens(&mut self, batch: &Batch, step: u64) -> Result<ModelOutput, BackendError> {
+    fn run_for_tokens(
+        &mut self,
+        batch: &Batch,
+        sampling: &[Option<SeqSampling>],
+        step: u64,
+    ) -> Result<ModelOutput, BackendError> {
         let head_rank = self.stage.head_rank;
-        let reply =
-            self.run_stage_0(batch, step)?
-                .recv_bytes(head_rank, step, FrameKind::Sampled)?;
+        if let Some(logits) = self.run_stage_0(batch, step)? {
+            return Ok(sample_on_host(&logits, sampling));
+        }
+        let reply = self
+            .transport()?
+            .recv_bytes(head_rank, step, FrameKind::Sampled)?;
         decode_sampled(reply, batch.seqs.len()).map_err(|e| {
             BackendError::Group(TransportError::Protocol {
                 rank: head_rank,
@@ -489,7 +531,7 @@ impl<T: Transport<Tensor = [f32]>> PipelineRunner<T> {
     }
 }
 
-impl<T: Transport<Tensor = [f32]>> ModelRunner for PipelineRunner<T> {
+impl<T: Transport<Tensor = [f32]> + Send> ModelRunner for PipelineRunner<T> {
     fn config(&self) -> &LlamaConfig {
         self.stage.backend.config()
     }
@@ -537,11 +579,11 @@ impl<T: Transport<Tensor = [f32]>> ModelRunner for PipelineRunner<T> {
             return Ok(ModelOutput::default());
         }
         let step = self.broadcast(&StepFrame::Sample(batch, sampling))?;
-        self.finish_step(step, |r| r.run_for_tokens(batch, step))
+        self.finish_step(step, |r| r.run_for_tokens(batch, sampling, step))
     }
 }
 
-impl<T: Transport<Tensor = [f32]>> Drop for PipelineRunner<T> {
+impl<T: Transport<Tensor = [f32]> + Send> Drop for PipelineRunner<T> {
     fn drop(&mut self) {
         // Best effort, so the workers of a runner dropped without `stop` exit cleanly
         // rather than on a closed connection; a failed group's are closed already.

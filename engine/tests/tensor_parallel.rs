@@ -1,0 +1,269 @@
+//! Tensor parallelism on the real SmolLM2-135M-Instruct Q4_1 (issue #15): `tensor: 3`
+//! (its 9 query and 3 KV heads: three and one per rank) and `tensor: 3 × pipeline:
+//! 2`, ranks as threads over loopback TCP, against the single process.
+//!
+//! What to expect: each rank sums a third of every attention output and MLP down
+//! product and the all-reduce adds the thirds, so each layer's output differs from
+//! the single process's by float summation order (about 1e-7 relative). The kernels
+//! quantise every product's input activations to int8, though, so such a difference
+//! moves an element across a rounding boundary now and then, and that step (1/254 of
+//! its block's largest value) is the noise that then travels through 30 layers: the
+//! logits differ by about as much as two int8 quantisations of the same model do,
+//! not by float rounding. Measured over the oracle conversations (1004 positions):
+//! max |Δlogit| 2.18 and mean 0.18, for tensor 3 and for tensor 3 × pipeline 2
+//! alike (the pipeline split adds no arithmetic); the top-1 differs at 26 positions,
+//! all near ties where the single process's top two are within 0.25 of each other,
+//! and the oracle's agreement stays at 350 of 363 usable positions, 220 of 220 where
+//! llama.cpp is confident. So the tests require the same
+//! top-1 wherever the single process leads by at least [`CONFIDENT`] (the margin the
+//! llama.cpp oracle bar uses), the oracle's own bar through the group, and max
+//! |Δlogit| within [`TOLERANCE`]. Batched against solo runs through the same group
+//! are compared bit for bit: a token's arithmetic does not depend on its batch.
+//! Failures are asserted by whom they blame; timeouts only bound a broken build.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use slipway_engine::backend::{BackendError, Batch, LogitsWanted, ModelRunner};
+use slipway_engine::generate::score;
+use slipway_engine::kv::BlockAllocator;
+use slipway_engine::parallel::Transport;
+use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
+use slipway_engine::testing::oracle;
+use slipway_engine::tokenizer::Tokenizer;
+
+#[path = "support/agreement.rs"]
+mod agreement;
+#[path = "support/parallel.rs"]
+#[allow(dead_code)]
+mod parallel;
+
+use parallel::*;
+
+/// Max |Δlogit| allowed against the single process: the measured 2.18 (see the
+/// module docs) with a margin. Logits of SmolLM2 span about ±40.
+const TOLERANCE: f32 = 3.0;
+
+/// A single-process top-1 that leads its runner-up by this much must survive the
+/// split.
+const CONFIDENT: f32 = 1.0;
+
+/// Teacher-forced logits of every oracle conversation through a `tensor ×
+/// pipeline` group, against the single process; then the oracle's bar through the
+/// group. Returns the largest |Δlogit|.
+fn teacher_forced_against_single(tensor: usize, pipeline: usize) -> f32 {
+    let want = {
+        let mut whole = single();
+        teacher_forced_logits(&mut *whole, &mut BlockAllocator::new(BLOCKS))
+    };
+    let (mut runner, workers) = group(tensor, pipeline);
+    let got = teacher_forced_logits(&mut runner, &mut BlockAllocator::new(BLOCKS));
+    let (mut positions, mut flips, mut max, mut sum) = (0, 0, 0f32, 0f64);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        max = max.max(max_delta(g, w));
+        sum += g
+            .data
+            .iter()
+            .zip(&w.data)
+            .map(|(a, b)| f64::from((a - b).abs()))
+            .sum::<f64>();
+        for (r, (a, b)) in g.rows_of(0).zip(w.rows_of(0)).enumerate() {
+            let (top, want_top) = (argmax(a), argmax(b));
+            positions += 1;
+            if top != want_top {
+                flips += 1;
+                let margin = b[want_top] - b[top];
+                assert!(
+                    margin < CONFIDENT,
+                    "conversation {i} position {r}: top-1 {top} instead of {want_top}, which \
+leads it by {margin} in the single process"
+                );
+            }
+        }
+    }
+    let mean = sum / got.iter().map(|l| l.data.len()).sum::<usize>() as f64;
+    println!(
+        "tensor {tensor} × pipeline {pipeline}: {positions} positions, top-1 differs at \
+{flips} (all near ties), max |Δlogit| = {max}, mean {mean:.4}"
+    );
+    let oracle = oracle();
+    let tokenizer = Tokenizer::from_metadata(file().metadata()).expect("tokenizer");
+    let mut alloc = BlockAllocator::new(BLOCKS);
+    agreement::assert_agrees(
+        &format!("tensor {tensor} × pipeline {pipeline}"),
+        &oracle,
+        &tokenizer,
+        |tokens| score(&mut runner, &mut alloc, tokens, 1).expect("score"),
+    );
+    finish(runner, workers);
+    max
+}
+
+#[test]
+fn tensor_3_teacher_forced_logits_match_the_single_process() {
+    let max = teacher_forced_against_single(3, 1);
+    assert!(max <= TOLERANCE, "max |Δlogit| {max} over {TOLERANCE}");
+}
+
+#[test]
+fn tensor_3_pipeline_2_teacher_forced_logits_match_the_single_process() {
+    let max = teacher_forced_against_single(3, 2);
+    assert!(max <= TOLERANCE, "max |Δlogit| {max} over {TOLERANCE}");
+}
+
+#[test]
+fn tensor_3_serves_16_concurrent_sequences_as_it_does_each_alone() {
+    let prompts = sixteen_prompts();
+    let steps = 4;
+    let (mut runner, workers) = group(3, 1);
+    let solo: Vec<_> = prompts
+        .iter()
+        .map(|p| batched(&mut runner, std::slice::from_ref(p), steps).remove(0))
+        .collect();
+    let together = batched(&mut runner, &prompts, steps);
+    let mut max = 0f32;
+    for (i, ((rows, toks), (solo_rows, solo_toks))) in together.iter().zip(&solo).enumerate() {
+        assert_eq!(toks, solo_toks, "sequence {i}: greedy tokens differ");
+        assert_eq!(rows.len(), solo_rows.len(), "sequence {i}: row count");
+        for (a, b) in rows.iter().zip(solo_rows) {
+            max = a.iter().zip(b).fold(max, |m, (x, y)| m.max((x - y).abs()));
+        }
+    }
+    println!("tensor 3, 16 sequences batched vs alone: max |Δlogit| = {max}");
+    assert_eq!(
+        max, 0.0,
+        "batched tensor-parallel logits differ from solo runs"
+    );
+    finish(runner, workers);
+}
+
+#[test]
+fn a_decode_step_of_16_streams_all_reduces_twice_per_layer() {
+    let per_rank: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::new(AtomicU64::new(0))).collect();
+    let lead = Arc::clone(&per_rank[0]);
+    let workers_sent = per_rank.clone();
+    let (mut runner, workers) = group_with(
+        (3, 1),
+        LONG,
+        |inner| Counting { inner, sent: lead },
+        move |inner| {
+            let sent = Arc::clone(&workers_sent[inner.rank()]);
+            Counting { inner, sent }
+        },
+    );
+    let oracle = oracle();
+    let streams = 16;
+    let mut alloc = BlockAllocator::new(BLOCKS);
+    let prompts: Vec<&[u32]> = (0..streams)
+        .map(|i| {
+            oracle.prompts[i % oracle.prompts.len()]
+                .prompt_tokens
+                .as_slice()
+        })
+        .collect();
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut t = Vec::new();
+            alloc.ensure(&mut t, p.len() + 1, 16).expect("blocks");
+            t
+        })
+        .collect();
+    let greedy = || SeqSampling {
+        params: SamplingParams::default(),
+        uniform: None,
+        history: Vec::new(),
+        stop_tokens: vec![2],
+        logprob: false,
+    };
+    let sampling: Vec<_> = (0..streams).map(|_| Some(greedy())).collect();
+    let prefill = Batch {
+        seqs: (0..streams)
+            .map(|i| chunk(prompts[i], 0, &tables[i], LogitsWanted::Last))
+            .collect(),
+    };
+    let first = runner.execute(&prefill, &sampling).expect("prefill");
+    let decode = Batch {
+        seqs: (0..streams)
+            .map(|i| {
+                let token = first.sampled[i].expect("sampled").token;
+                chunk(&[token], prompts[i].len(), &tables[i], LogitsWanted::Last)
+            })
+            .collect(),
+    };
+    let before: Vec<u64> = per_rank.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    runner.execute(&decode, &sampling).expect("decode");
+    let bytes: Vec<u64> = per_rank
+        .iter()
+        .zip(&before)
+        .map(|(c, b)| c.load(Ordering::Relaxed) - b)
+        .collect();
+    // One all-reduce after attention and one after the MLP, per layer, of 16 rows of
+    // 576 floats: each worker sends its partial sums, the leader the two totals.
+    let reduce = (30 * 2 * streams * 576 * 4) as u64;
+    println!(
+        "tensor 3, decode step of {streams} streams, payload bytes sent: rank 0 {} \
+({} of all-reduce, {} of step description to 2 ranks), rank 1 {}, rank 2 {}",
+        bytes[0],
+        2 * reduce,
+        bytes[0] - 2 * reduce,
+        bytes[1],
+        bytes[2]
+    );
+    assert_eq!(
+        bytes[1..],
+        [reduce, reduce],
+        "the workers send partial sums only"
+    );
+    assert!(bytes[0] > 2 * reduce && bytes[0] < 2 * reduce + 200 * streams as u64);
+    finish(runner, workers);
+}
+
+#[test]
+fn a_tensor_rank_dying_mid_step_fails_the_leaders_step_naming_it() {
+    let (mut runner, mut workers) = group_with(
+        (3, 1),
+        LONG,
+        |t| t,
+        |t| {
+            // Rank 2 drops its links at its first all-reduce of step 2; rank 1 lives.
+            let batches = if t.rank() == 2 { 2 } else { usize::MAX };
+            DiesMidStep {
+                inner: Some(t),
+                batches,
+            }
+        },
+    );
+    let mut alloc = BlockAllocator::new(BLOCKS);
+    let prompt = &oracle().prompts[0].prompt_tokens;
+    let mut table = Vec::new();
+    alloc
+        .ensure(&mut table, prompt.len() + 1, 16)
+        .expect("blocks");
+    let prefill = Batch {
+        seqs: vec![chunk(prompt, 0, &table, LogitsWanted::Last)],
+    };
+    let failures = runner.failures();
+    runner.forward(&prefill).expect("step 1 runs");
+    let decode = Batch {
+        seqs: vec![chunk(&[1], prompt.len(), &table, LogitsWanted::Last)],
+    };
+    let err = runner.forward(&decode).expect_err("rank 2 died in step 2");
+    let BackendError::Group(transport) = &err else {
+        panic!("not a group error: {err}");
+    };
+    assert_eq!(transport.blamed(), [2], "{err}");
+    assert!(err.to_string().contains("rank 2"), "{err}");
+    println!("the leader's step 2 failed with: {err}");
+    assert!(
+        failures.borrow().is_some(),
+        "the group's failure was not published"
+    );
+    // Both workers end with an error, none hangs: rank 2 lost its links, rank 1 its
+    // leader (the leader closed every link when its step failed).
+    let rank2 = workers.remove(1).join().expect("rank 2's thread");
+    assert!(rank2.is_err(), "rank 2 ended cleanly");
+    let rank1 = workers.remove(0).join().expect("rank 1's thread");
+    let rank1 = rank1.expect_err("rank 1 lost its group");
+    println!("rank 1 ended with: {rank1}");
+}
