@@ -10,8 +10,8 @@
 //! a pod the kubelet's SIGTERM (after the preStop hook) is the one way to drain, so
 //! no client reaching the serving port can take a replica out.
 //!
-//! Pipeline groups (`--pipeline-parallel N`, issue #15): every rank loads only its
-//! stage's layers. A worker (`--rank` > 0) joins the group at `--leader-address` and
+//! Parallel groups (`--tensor-parallel T --pipeline-parallel P`, issue #15): every
+//! rank loads only its stage's layers, and of each only its tensor shard. A worker (`--rank` > 0) joins the group at `--leader-address` and
 //! computes the leader's steps ([`slipway_engine::parallel::run_worker`]); it serves
 //! only the probes (`/ready` once the group formed), exits 0 when the leader ends the
 //! group (the leader drained) and non-zero when the group fails. The leader (rank 0) loads stage 0, forms the group (the
@@ -21,8 +21,8 @@
 //! step timeout while idle. When the group fails (a rank dead, silent for the step
 //! timeout, or aborting), `/ready` turns false, the failed step's requests and every
 //! other one end with an explicit error naming the rank, the listener closes and the
-//! process exits non-zero. Tensor parallelism and the CUDA backend are refused for
-//! groups, as are LoRA adapters.
+//! process exits non-zero. The CUDA backend is refused for groups, as are LoRA
+//! adapters.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,11 +56,12 @@ use slipway_engine::tokenizer::Tokenizer;
 const DEFAULT_KV_BLOCKS: usize = 2048;
 
 /// Bytes of one KV block: keys and values (f16 on both backends) of `layers` layers
-/// (the model's, or a pipeline stage's) and every KV head for `block_size` positions.
-fn kv_block_bytes(c: &LlamaConfig, block_size: usize, layers: usize) -> u64 {
+/// (the model's, or a pipeline stage's) and `kv_heads` KV heads (the model's, or a
+/// tensor rank's) for `block_size` positions.
+fn kv_block_bytes(c: &LlamaConfig, block_size: usize, layers: usize, kv_heads: usize) -> u64 {
     let layout = KvLayout {
         block_size,
-        kv_heads: c.n_kv_heads,
+        kv_heads,
         head_dim: c.head_dim,
     };
     (layers * layout.block_bytes()) as u64
@@ -83,8 +84,8 @@ struct Group {
 }
 
 /// The group the flags describe, or `None` for a single process. A model that cannot
-/// be split as asked is refused naming the model's numbers; tensor parallelism and the
-/// CUDA backend are refused because serving runs pipeline stages on the CPU only.
+/// be split as asked is refused naming the model's numbers; the CUDA backend is
+/// refused because groups run on the CPU backend only.
 fn plan_group(
     args: &ServeArgs,
     file: &GgufFile,
@@ -102,15 +103,10 @@ fn plan_group(
     )
     .with_context(|| format!("splitting {} over the group", args.model.display()))?;
     anyhow::ensure!(
-        group.tensor_parallel == 1,
-        "--tensor-parallel {}: this model splits into {} ranks, but serving runs pipeline \
-stages only; tensor parallelism is not wired into the forward pass yet (issue #15)",
-        group.tensor_parallel,
-        layout.world_size()
-    );
-    anyhow::ensure!(
         args.device != DeviceChoice::Cuda,
-        "--pipeline-parallel {} runs on the CPU backend only for now, not --device cuda",
+        "--tensor-parallel {} --pipeline-parallel {} runs on the CPU backend only for now, \
+not --device cuda",
+        group.tensor_parallel,
         group.pipeline_parallel
     );
     let tcp = TcpConfig::from_args(group)?
@@ -241,7 +237,8 @@ pub fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
             .max()
             .unwrap_or(0)
     });
-    let per_block = kv_block_bytes(&model_config, block_size, kv_layers);
+    let kv_heads = model_config.n_kv_heads / group.as_ref().map_or(1, |g| g.layout.tensor());
+    let per_block = kv_block_bytes(&model_config, block_size, kv_layers, kv_heads);
     // On the GPU, no size flag means "size the pool from free device memory".
     let gpu_blocks = match (args.kv_blocks, args.kv_memory) {
         (Some(b), _) => Some(b),
@@ -473,8 +470,10 @@ mod tests {
     #[test]
     fn kv_block_bytes_of_smollm2() {
         // 30 layers × (K + V) × 3 KV heads × 64 dims × 16 positions × 2 bytes.
-        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 30), 368_640);
+        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 30, 3), 368_640);
         // A stage of 15 layers: half.
-        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 15), 184_320);
+        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 15, 3), 184_320);
+        // A tensor rank of three, with one KV head: a third.
+        assert_eq!(kv_block_bytes(&LlamaConfig::default(), 16, 30, 1), 122_880);
     }
 }
