@@ -129,13 +129,14 @@ pub struct StageRunner {
 }
 
 impl StageRunner {
-    /// Loads rank `rank`'s stage of `group` from `file`: only its layers' weights are
-    /// read and packed (see [`LlamaWeights::from_gguf_part`]) and its KV store holds
-    /// only its layers.
+    /// Loads rank `rank`'s part of `group` from `file`: only its layers' weights, of
+    /// each only its tensor shard, are read and packed (see
+    /// [`LlamaWeights::from_gguf_part`]) and its KV store holds only its layers and
+    /// KV heads.
     ///
     /// # Errors
-    /// [`PipelineError`] for a rank outside the group, a group with tensor
-    /// parallelism, a model that cannot load or a backend that cannot start.
+    /// [`PipelineError`] for a rank outside the group, a model that cannot load or a
+    /// backend that cannot start.
     pub fn load(
         file: &GgufFile,
         group: &ParallelLayout,
@@ -321,8 +322,9 @@ pub fn run_worker<T: Transport<Tensor = [f32]> + Send>(
     Ok(())
 }
 
-/// The leader's [`ModelRunner`] of a pipeline group: runs stage 0 here and the
-/// others through the transport (see the module docs for a step).
+/// The leader's [`ModelRunner`] of a tensor × pipeline group: runs its part of stage
+/// 0 here and the other ranks through the transport (see the module docs for a
+/// step).
 ///
 /// LoRA adapters: a chunk's adapter id travels with the step; every rank must have
 /// loaded the same adapters in the same order.

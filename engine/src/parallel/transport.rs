@@ -21,7 +21,7 @@ pub enum FrameKind {
     Batch,
     /// Hidden states from one pipeline stage to the next.
     Hidden,
-    /// A slice of the output head's logits, from a last-stage rank to the leader.
+    /// The output head's logits, from the head's rank to the leader.
     Logits,
     /// The tokens the last stage sampled, to the leader.
     Sampled,
