@@ -17,16 +17,22 @@
 //! llama.cpp is confident. So the tests require the same
 //! top-1 wherever the single process leads by at least [`CONFIDENT`] (the margin the
 //! llama.cpp oracle bar uses), the oracle's own bar through the group, and max
-//! |Δlogit| within [`TOLERANCE`]. Batched against solo runs through the same group
+//! |Δlogit| within [`TOLERANCE`]. That the shards are wired right is shown apart, on
+//! a small model of f32 weights, whose products quantise nothing: there tensor 3
+//! differs from one process by float rounding (measured 2.7e-5). Batched against solo runs through the same group
 //! are compared bit for bit: a token's arithmetic does not depend on its batch.
 //! Failures are asserted by whom they blame; timeouts only bound a broken build.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
+use slipway_engine::backend::cpu::CpuBackend;
 use slipway_engine::backend::{BackendError, Batch, LogitsWanted, ModelRunner};
 use slipway_engine::generate::score;
 use slipway_engine::kv::BlockAllocator;
+use slipway_engine::model::gguf::write::GgufWriter;
+use slipway_engine::model::gguf::{GgufFile, Value};
+use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::parallel::Transport;
 use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
 use slipway_engine::testing::oracle;
@@ -97,6 +103,84 @@ leads it by {margin} in the single process"
     );
     finish(runner, workers);
     max
+}
+
+/// A two-layer llama of random f32 weights (6 query heads, 3 KV heads, 96 MLP
+/// columns): its products run in f32, with no activation quantisation.
+fn float_model() -> &'static GgufFile {
+    static F: OnceLock<GgufFile> = OnceLock::new();
+    F.get_or_init(|| {
+        let (dim, kv, ffn, vocab, layers) = (48u64, 24u64, 96u64, 64u64, 2);
+        let mut seed = 7u64;
+        let mut random = |n: u64| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
+                })
+                .collect()
+        };
+        let u = Value::U32;
+        let mut w = GgufWriter::new()
+            .metadata("general.architecture", Value::String("llama".into()))
+            .metadata("llama.block_count", u(layers))
+            .metadata("llama.embedding_length", u(48))
+            .metadata("llama.feed_forward_length", u(96))
+            .metadata("llama.attention.head_count", u(6))
+            .metadata("llama.attention.head_count_kv", u(3))
+            .metadata("llama.vocab_size", u(64))
+            .metadata("llama.context_length", u(256))
+            .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+            .tensor_f32("token_embd.weight", &[dim, vocab], &random(dim * vocab))
+            .tensor_f32("output_norm.weight", &[dim], &[1.0; 48])
+            .tensor_f32("output.weight", &[dim, vocab], &random(dim * vocab));
+        for i in 0..layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            w = w
+                .tensor_f32(&n("attn_norm"), &[dim], &[1.0; 48])
+                .tensor_f32(&n("ffn_norm"), &[dim], &[1.0; 48])
+                .tensor_f32(&n("attn_q"), &[dim, dim], &random(dim * dim))
+                .tensor_f32(&n("attn_k"), &[dim, kv], &random(dim * kv))
+                .tensor_f32(&n("attn_v"), &[dim, kv], &random(dim * kv))
+                .tensor_f32(&n("attn_output"), &[dim, dim], &random(dim * dim))
+                .tensor_f32(&n("ffn_gate"), &[dim, ffn], &random(dim * ffn))
+                .tensor_f32(&n("ffn_up"), &[dim, ffn], &random(dim * ffn))
+                .tensor_f32(&n("ffn_down"), &[ffn, dim], &random(dim * ffn));
+        }
+        GgufFile::from_bytes(w.to_bytes()).expect("the float model")
+    })
+}
+
+/// Without int8 activations, the split changes float summation order only: the
+/// logits agree to float rounding. This is what shows the real model's larger
+/// differences are its quantisation's, not a mis-wired shard.
+#[test]
+fn a_float_model_split_over_tensor_3_differs_by_float_rounding_only() {
+    let model = float_model();
+    let weights = LlamaWeights::from_gguf(model).expect("weights");
+    let mut whole = CpuBackend::new(Arc::new(weights), &cpu_config()).expect("backend");
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 64).collect();
+    let table: Vec<u32> = (0..3).collect();
+    let steps = [
+        Batch {
+            seqs: vec![chunk(&tokens, 0, &table, LogitsWanted::All)],
+        },
+        Batch {
+            seqs: vec![chunk(&[5], tokens.len(), &table, LogitsWanted::All)],
+        },
+    ];
+    let (mut runner, workers) = group_of(model, (3, 1), LONG, |t| t, |t| t);
+    let mut max = 0f32;
+    for batch in &steps {
+        let want = whole.forward(batch).expect("single process");
+        let got = runner.forward(batch).expect("tensor 3");
+        max = max.max(max_delta(&got, &want));
+    }
+    println!("float model, tensor 3 vs one process: max |Δlogit| = {max}");
+    assert!(max < 1e-4, "max |Δlogit| {max}: more than float rounding");
+    finish(runner, workers);
 }
 
 #[test]

@@ -53,8 +53,13 @@ pub fn single() -> MutexGuard<'static, CpuBackend> {
 }
 
 pub fn layout(tensor: usize, pipeline: usize) -> ParallelLayout {
-    let config = LlamaConfig::from_gguf(file()).expect("config");
-    let shape = ModelShape::from_tensors(&config, file().tensors());
+    layout_of(file(), tensor, pipeline)
+}
+
+/// `model` split over `tensor × pipeline` ranks.
+pub fn layout_of(model: &GgufFile, tensor: usize, pipeline: usize) -> ParallelLayout {
+    let config = LlamaConfig::from_gguf(model).expect("config");
+    let shape = ModelShape::from_tensors(&config, model.tensors());
     ParallelLayout::new(&shape, tensor, pipeline).expect("layout")
 }
 
@@ -84,7 +89,22 @@ where
     L: Transport<Tensor = [f32]> + Send,
     W: Transport<Tensor = [f32]> + Send,
 {
-    let group = layout(tensor, pipeline);
+    group_of(file(), (tensor, pipeline), step_timeout, lead, wrap)
+}
+
+/// [`group_with`] over `model`.
+pub fn group_of<L, W>(
+    model: &'static GgufFile,
+    (tensor, pipeline): (usize, usize),
+    step_timeout: Duration,
+    lead: impl FnOnce(TcpTransport) -> L,
+    wrap: impl Fn(TcpTransport) -> W + Send + Clone + 'static,
+) -> (PipelineRunner<L>, Vec<Worker>)
+where
+    L: Transport<Tensor = [f32]> + Send,
+    W: Transport<Tensor = [f32]> + Send,
+{
+    let group = layout_of(model, tensor, pipeline);
     let world = group.world_size();
     let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
     let leader = listener.local_addr().expect("its address").to_string();
@@ -93,12 +113,12 @@ where
         let config = tcp_config(rank, world, &leader, step_timeout);
         let (group, wrap) = (group.clone(), wrap.clone());
         workers.push(thread::spawn(move || {
-            let mut stage = StageRunner::load(file(), &group, rank, &cpu_config())?;
+            let mut stage = StageRunner::load(model, &group, rank, &cpu_config())?;
             let transport = TcpTransport::join(&config)?;
             run_worker(wrap(transport), &mut stage)
         }));
     }
-    let stage = StageRunner::load(file(), &group, 0, &cpu_config()).expect("stage 0");
+    let stage = StageRunner::load(model, &group, 0, &cpu_config()).expect("stage 0");
     let config = tcp_config(0, world, &leader, step_timeout);
     let transport = TcpTransport::lead(&listener, &config).expect("rendezvous");
     let runner = PipelineRunner::new(stage, lead(transport)).expect("leader");
