@@ -52,11 +52,13 @@
 //!   and the CUDA backend in a group. NCCL behind [`Transport`] for CUDA.
 //! - `make bench-parallel` and its table (decode and prefill tok/s, bytes and µs per
 //!   step, resident set per rank) in `engine/BENCHMARKS.md`.
-//! - Operator: render `--tensor-parallel`, `--pipeline-parallel`, `--rank` and
-//!   `--leader-address` per pod (and own them against `release.engine.args`); the
-//!   group's headless Service must publish not-ready addresses so workers can resolve
-//!   the leader before it is ready; the operator's pod rank is one process each, so a
-//!   pod holding several GPUs needs one rank per GPU.
+//! - Operator (done for CPU, see `operator/src/groups.rs` and `pod.rs`): a CPU group
+//!   is one pod per rank, each given `--tensor-parallel`, `--pipeline-parallel`,
+//!   `--rank` and `--leader-address` (the rank-0 pod's DNS name under the group's
+//!   headless Service, which publishes not-ready addresses). Left: a CUDA pod holding
+//!   several GPUs needs one process driving several ranks (with NCCL), so it is told
+//!   nothing yet; and the real-nodes harness has no cluster DNS, so a multi-pod group
+//!   cannot resolve its leader there until it gets one.
 
 pub mod layout;
 pub mod pipeline;
