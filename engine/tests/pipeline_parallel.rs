@@ -263,46 +263,8 @@ fn a_decode_step_of_16_streams_sends_hidden_states_down_and_only_tokens_back() {
             sent: Arc::clone(&w),
         },
     );
-    let oracle = oracle();
-    let streams = 16;
-    let mut alloc = BlockAllocator::new(BLOCKS);
-    let prompts: Vec<&[u32]> = (0..streams)
-        .map(|i| {
-            oracle.prompts[i % oracle.prompts.len()]
-                .prompt_tokens
-                .as_slice()
-        })
-        .collect();
-    let tables: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let mut t = Vec::new();
-            alloc.ensure(&mut t, p.len() + 1, 16).expect("blocks");
-            t
-        })
-        .collect();
-    let greedy = || SeqSampling {
-        params: SamplingParams::default(),
-        uniform: None,
-        history: Vec::new(),
-        stop_tokens: vec![2],
-        logprob: false,
-    };
-    let sampling: Vec<_> = (0..streams).map(|_| Some(greedy())).collect();
-    let prefill = Batch {
-        seqs: (0..streams)
-            .map(|i| chunk(prompts[i], 0, &tables[i], LogitsWanted::Last))
-            .collect(),
-    };
-    let first = runner.execute(&prefill, &sampling).expect("prefill");
-    let decode = Batch {
-        seqs: (0..streams)
-            .map(|i| {
-                let token = first.sampled[i].expect("sampled").token;
-                chunk(&[token], prompts[i].len(), &tables[i], LogitsWanted::Last)
-            })
-            .collect(),
-    };
+    let (decode, sampling) = sixteen_streams_prefilled(&mut runner);
+    let streams = decode.seqs.len();
     let (l0, w0) = (
         leader_sent.load(Ordering::Relaxed),
         worker_sent.load(Ordering::Relaxed),

@@ -34,7 +34,7 @@ use slipway_engine::model::gguf::write::GgufWriter;
 use slipway_engine::model::gguf::{GgufFile, Value};
 use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::parallel::Transport;
-use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
+use slipway_engine::sampling::argmax;
 use slipway_engine::testing::oracle;
 use slipway_engine::tokenizer::Tokenizer;
 
@@ -235,46 +235,8 @@ fn a_decode_step_of_16_streams_all_reduces_twice_per_layer() {
             Counting { inner, sent }
         },
     );
-    let oracle = oracle();
-    let streams = 16;
-    let mut alloc = BlockAllocator::new(BLOCKS);
-    let prompts: Vec<&[u32]> = (0..streams)
-        .map(|i| {
-            oracle.prompts[i % oracle.prompts.len()]
-                .prompt_tokens
-                .as_slice()
-        })
-        .collect();
-    let tables: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let mut t = Vec::new();
-            alloc.ensure(&mut t, p.len() + 1, 16).expect("blocks");
-            t
-        })
-        .collect();
-    let greedy = || SeqSampling {
-        params: SamplingParams::default(),
-        uniform: None,
-        history: Vec::new(),
-        stop_tokens: vec![2],
-        logprob: false,
-    };
-    let sampling: Vec<_> = (0..streams).map(|_| Some(greedy())).collect();
-    let prefill = Batch {
-        seqs: (0..streams)
-            .map(|i| chunk(prompts[i], 0, &tables[i], LogitsWanted::Last))
-            .collect(),
-    };
-    let first = runner.execute(&prefill, &sampling).expect("prefill");
-    let decode = Batch {
-        seqs: (0..streams)
-            .map(|i| {
-                let token = first.sampled[i].expect("sampled").token;
-                chunk(&[token], prompts[i].len(), &tables[i], LogitsWanted::Last)
-            })
-            .collect(),
-    };
+    let (decode, sampling) = sixteen_streams_prefilled(&mut runner);
+    let streams = decode.seqs.len();
     let before: Vec<u64> = per_rank.iter().map(|c| c.load(Ordering::Relaxed)).collect();
     runner.execute(&decode, &sampling).expect("decode");
     let bytes: Vec<u64> = per_rank

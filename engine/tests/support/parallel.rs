@@ -19,7 +19,7 @@ use slipway_engine::parallel::{
     ModelShape, ParallelLayout, PipelineError, PipelineRunner, StageRunner, TcpConfig,
     TcpTransport, Transport, TransportError, run_worker,
 };
-use slipway_engine::sampling::argmax;
+use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
 use slipway_engine::testing::{model_path, oracle};
 
 pub const BLOCKS: usize = 512;
@@ -440,4 +440,52 @@ pub fn sixteen_prompts() -> Vec<Vec<u32>> {
     }
     prompts.truncate(16);
     prompts
+}
+
+/// Prefills 16 greedy streams (oracle prompts, repeated) through `runner` and returns
+/// the next step: one decode token per stream, with its sampling.
+pub fn sixteen_streams_prefilled(
+    runner: &mut impl ModelRunner,
+) -> (Batch, Vec<Option<SeqSampling>>) {
+    let oracle = oracle();
+    let streams = 16;
+    let mut alloc = BlockAllocator::new(BLOCKS);
+    let prompts: Vec<&[u32]> = (0..streams)
+        .map(|i| {
+            oracle.prompts[i % oracle.prompts.len()]
+                .prompt_tokens
+                .as_slice()
+        })
+        .collect();
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut t = Vec::new();
+            alloc.ensure(&mut t, p.len() + 1, 16).expect("blocks");
+            t
+        })
+        .collect();
+    let greedy = || SeqSampling {
+        params: SamplingParams::default(),
+        uniform: None,
+        history: Vec::new(),
+        stop_tokens: vec![2],
+        logprob: false,
+    };
+    let sampling: Vec<_> = (0..streams).map(|_| Some(greedy())).collect();
+    let prefill = Batch {
+        seqs: (0..streams)
+            .map(|i| chunk(prompts[i], 0, &tables[i], LogitsWanted::Last))
+            .collect(),
+    };
+    let first = runner.execute(&prefill, &sampling).expect("prefill");
+    let decode = Batch {
+        seqs: (0..streams)
+            .map(|i| {
+                let token = first.sampled[i].expect("sampled").token;
+                chunk(&[token], prompts[i].len(), &tables[i], LogitsWanted::Last)
+            })
+            .collect(),
+    };
+    (decode, sampling)
 }
