@@ -122,6 +122,41 @@ async fn answer(c: &reqwest::Client, server: &EngineProcess, body: &Value) -> St
         .to_owned()
 }
 
+/// Starts a long stream from `leader`, calls `kill` once its first event arrived, and
+/// returns the message of the error event the stream must end with (before `[DONE]`).
+async fn error_after_a_kill_mid_stream(
+    c: &reqwest::Client,
+    leader: &EngineProcess,
+    kill: impl FnOnce(),
+) -> String {
+    let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let streaming = {
+        let (c, url) = (c.clone(), leader.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            let resp = c
+                .post(url)
+                .json(&chat("Tell me a very long story.", 400, true))
+                .send()
+                .await
+                .expect("POST");
+            read_sse(resp, || {
+                let _ = tx.send(());
+            })
+            .await
+        })
+    };
+    started.recv().await.expect("the stream started");
+    kill();
+    let chunks = streaming.await.expect("stream task");
+    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
+    let err: Value =
+        serde_json::from_str(&chunks[chunks.len() - 2]).expect("an error object before [DONE]");
+    err["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error message in {err}"))
+        .to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pipeline_of_two_processes_answers_as_one_and_fails_as_one() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -142,30 +177,8 @@ async fn a_pipeline_of_two_processes_answers_as_one_and_fails_as_one() {
     worker.ensure_running().expect("rank 1 is still serving");
 
     // Kill rank 1 once a long stream is under way.
-    let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
-    let streaming = {
-        let (c, url) = (c.clone(), leader.url("/v1/chat/completions"));
-        tokio::spawn(async move {
-            let resp = c
-                .post(url)
-                .json(&chat("Tell me a very long story.", 400, true))
-                .send()
-                .await
-                .expect("POST");
-            read_sse(resp, || {
-                let _ = tx.send(());
-            })
-            .await
-        })
-    };
-    started.recv().await.expect("the stream started");
-    worker.kill();
-    let chunks = streaming.await.expect("stream task");
-    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
-    let err: Value =
-        serde_json::from_str(&chunks[chunks.len() - 2]).expect("an error object before [DONE]");
-    let message = err["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("rank 1"), "{err}");
+    let err = error_after_a_kill_mid_stream(&c, &leader, || worker.kill()).await;
+    assert!(err.contains("rank 1"), "{err}");
     let status = leader
         .exit_within(Duration::from_secs(60))
         .await
@@ -195,30 +208,8 @@ async fn a_tensor_3_group_of_three_processes_answers_as_one_and_fails_as_one() {
     assert_eq!(batched, alone, "tensor 3 answers otherwise inside a batch");
     println!("tensor 3 answers {alone:?}, alone and batched");
     // Kill rank 2 once a long stream is under way.
-    let (tx, mut started) = tokio::sync::mpsc::unbounded_channel();
-    let streaming = {
-        let (c, url) = (c.clone(), leader.url("/v1/chat/completions"));
-        tokio::spawn(async move {
-            let resp = c
-                .post(url)
-                .json(&chat("Tell me a very long story.", 400, true))
-                .send()
-                .await
-                .expect("POST");
-            read_sse(resp, || {
-                let _ = tx.send(());
-            })
-            .await
-        })
-    };
-    started.recv().await.expect("the stream started");
-    workers[1].kill();
-    let chunks = streaming.await.expect("stream task");
-    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
-    let err: Value =
-        serde_json::from_str(&chunks[chunks.len() - 2]).expect("an error object before [DONE]");
-    let message = err["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("rank 2"), "{err}");
+    let err = error_after_a_kill_mid_stream(&c, &leader, || workers[1].kill()).await;
+    assert!(err.contains("rank 2"), "{err}");
     let within = Duration::from_secs(60);
     let status = leader.exit_within(within).await.expect("the leader exits");
     assert!(!status.success(), "the leader exited {status:?}");
