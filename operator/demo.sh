@@ -159,7 +159,7 @@ port=$(kubectl get endpointslices --namespace default -l kubernetes.io/service-n
   -o jsonpath='{.items[0].ports[0].port}')
 answer=$(curl --silent --show-error --fail --noproxy '*' --max-time 120 \
   "http://$ip:$port/v1/chat/completions" -H 'content-type: application/json' \
-  -d '{"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 48}')
+  -d '{"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 48, "temperature": 0}')
 echo "$answer" | python3 -c 'import json, sys; r = json.load(sys.stdin); print("model %s via the router %s: %s" % (r["model"], sys.argv[1], r["choices"][0]["message"]["content"].strip()))' "$ip:$port"
 echo
 echo "router metrics (TTFT, TPOT, outcomes per release): curl -s http://$ip:$port/metrics | grep slipway_router_"
