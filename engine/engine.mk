@@ -72,6 +72,13 @@ fuzz-gguf: ## fuzz the GGUF reader, tokenizer and template for FUZZ_SECONDS (def
 bench-model: ## our engine vs llama.cpp on the same GGUF in the same run: pp512, tg128, aggregate decode @16/@64
 	@$(ENGINE_SCRIPTS)/bench-model
 
+.PHONY: bench-parallel
+# The split's cost (issue #15): single process vs pipeline 2 vs tensor 3 in one run:
+# prefill and decode tok/s, µs and payload bytes per decode step per rank (ranks as
+# threads over loopback TCP), and each rank's resident set as serve processes.
+bench-parallel: model ## single process vs pipeline 2 vs tensor 3: tok/s, overhead per step (µs, bytes per rank), resident set per rank
+	@$(ENGINE_SCRIPTS)/bench-parallel
+
 .PHONY: serve-chat-demo
 # Starts `slipway-engine serve` (release build) on the real model, asks one chat
 # question with curl, prints the answer and stops the server.

@@ -4,6 +4,8 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
@@ -13,8 +15,10 @@ use slipway_engine::generate::{generate, perplexity, score};
 use slipway_engine::kernels::peak::{self, MacInstruction};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
-use slipway_engine::model::llama::LlamaWeights;
+use slipway_engine::model::llama::{LlamaConfig, LlamaWeights};
 use slipway_engine::model_bench::{self, BenchConfig, TokenMacs};
+use slipway_engine::parallel::loopback::{self, Counting, LoopbackConfig};
+use slipway_engine::parallel::{ModelShape, ParallelLayout, Transport as _};
 use slipway_engine::sampling::{Sampler, SamplingParams};
 use slipway_engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use slipway_engine::tokenizer::{EncodeOptions, Tokenizer};
@@ -244,16 +248,28 @@ pub struct BenchArgs {
     /// Repetitions of the prompt and single-stream tests.
     #[arg(long, default_value_t = 3)]
     repetitions: usize,
+    /// Split every layer over this many tensor ranks (as `serve --tensor-parallel`).
+    /// The ranks of a group run as threads of this process, joined over loopback TCP
+    /// as separate processes join, so the split's cost per step is measured against
+    /// the single process on the same machine. `--threads` is shared among a stage's
+    /// tensor ranks (at least one each), which compute at the same time; pipeline
+    /// stages take turns, so each gets all of them.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    tensor_parallel: usize,
+    /// Split the layers into this many pipeline stages (as `serve
+    /// --pipeline-parallel`), run as `--tensor-parallel` says.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pipeline_parallel: usize,
 }
 
 /// Runs `bench`, printing one JSON object with tokens/s and the work per token
 /// (multiply-adds per prompt and per decoded token, bytes of weights per decoded
-/// token) that turns them into fractions of `ceilings`.
+/// token) that turns them into fractions of `ceilings`; for a parallel group also
+/// the payload bytes each rank sends per aggregate decode step.
 ///
 /// # Errors
-/// Loading or forward errors.
+/// Loading, group or forward errors.
 pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
-    let m = load(&args.runner)?;
     let config = BenchConfig {
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
@@ -263,31 +279,35 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     };
     config.validate()?;
     let block_size = CpuConfig::default().block_size;
-    let mut runner = backend(
-        &m.weights,
-        args.runner.threads,
-        config.blocks_needed(block_size) * block_size,
-        1,
-    )?;
-    let report = model_bench::run(&mut runner, &config)?;
-    let macs = TokenMacs::of(&m.weights.config);
-    let tensors: Vec<(&str, u64)> = m
-        .file
-        .tensors()
-        .map(|t| (t.name.as_str(), t.size))
-        .collect();
-    let weight_bytes = model_bench::weight_bytes_per_token(&tensors, m.weights.config.vocab);
+    let blocks = config.blocks_needed(block_size);
+    let (report, (macs, weight_bytes)) = if args.tensor_parallel * args.pipeline_parallel == 1 {
+        let m = load(&args.runner)?;
+        let mut runner = backend(&m.weights, args.runner.threads, blocks * block_size, 1)?;
+        let report = model_bench::run(&mut runner, &config, &[])?;
+        (report, work_per_token(&m.file)?)
+    } else {
+        let (report, file) = bench_group(args, &config, blocks)?;
+        (report, work_per_token(file)?)
+    };
     let agg: serde_json::Map<String, serde_json::Value> = report
         .aggregate_tps
         .iter()
         .map(|(n, t)| (n.to_string(), serde_json::json!(t)))
         .collect();
+    let bytes: serde_json::Map<String, serde_json::Value> = report
+        .bytes_per_decode_step
+        .iter()
+        .map(|(n, b)| (n.to_string(), serde_json::json!(b)))
+        .collect();
     println!(
         "{}",
         serde_json::json!({
+            "tensor_parallel": args.tensor_parallel,
+            "pipeline_parallel": args.pipeline_parallel,
             "pp_tps": report.prompt_tps,
             "tg_tps": report.decode_tps,
             "aggregate_tps": agg,
+            "bytes_per_decode_step_per_rank": bytes,
             "macs_per_token": {
                 "prefill": macs.prefill_per_token(config.prompt_tokens),
                 "decode": macs.decode_per_token(),
@@ -296,6 +316,65 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
         })
     );
     Ok(())
+}
+
+/// Multiply-adds and bytes of weights one token costs (see [`model_bench`]).
+fn work_per_token(file: &GgufFile) -> anyhow::Result<(TokenMacs, u64)> {
+    let model = LlamaConfig::from_gguf(file)?;
+    let tensors: Vec<(&str, u64)> = file.tensors().map(|t| (t.name.as_str(), t.size)).collect();
+    Ok((
+        TokenMacs::of(&model),
+        model_bench::weight_bytes_per_token(&tensors, model.vocab),
+    ))
+}
+
+/// The measurements on a `--tensor-parallel × --pipeline-parallel` group of threads
+/// on loopback, each rank's sent bytes counted.
+fn bench_group(
+    args: &BenchArgs,
+    config: &BenchConfig,
+    blocks: usize,
+) -> anyhow::Result<(model_bench::BenchReport, &'static GgufFile)> {
+    // The ranks' threads borrow the file for as long as they run; this command ends
+    // with them, so the mapping is simply kept until the process exits.
+    let file: &'static GgufFile = Box::leak(Box::new(GgufFile::open(&args.runner.model)?));
+    let model = LlamaConfig::from_gguf(file)?;
+    let layout = ParallelLayout::new(
+        &ModelShape::from_tensors(&model, file.tensors()),
+        args.tensor_parallel,
+        args.pipeline_parallel,
+    )
+    .with_context(|| format!("splitting {} over the group", args.runner.model.display()))?;
+    let threads = match args.runner.threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
+    let loopback = LoopbackConfig {
+        cpu: CpuConfig {
+            threads: (threads / args.tensor_parallel).max(1),
+            num_blocks: blocks,
+            ..CpuConfig::default()
+        },
+        rendezvous_timeout: Duration::from_secs(300),
+        step_timeout: Duration::from_secs(60),
+    };
+    let sent: Vec<Arc<AtomicU64>> = (0..layout.world_size())
+        .map(|_| Arc::new(AtomicU64::new(0)))
+        .collect();
+    let (lead, workers_sent) = (Arc::clone(&sent[0]), sent.clone());
+    let (mut runner, workers) = loopback::start(
+        file,
+        &layout,
+        &loopback,
+        |inner| Counting { inner, sent: lead },
+        move |inner| {
+            let sent = Arc::clone(&workers_sent[inner.rank()]);
+            Counting { inner, sent }
+        },
+    )?;
+    let report = model_bench::run(&mut runner, config, &sent)?;
+    loopback::finish(runner, workers).map_err(anyhow::Error::msg)?;
+    Ok((report, file))
 }
 
 /// `ceilings` options.

@@ -15,13 +15,15 @@
 //! [`crate::kernels::peak`]): multiply-adds for the compute-bound shapes, bytes of
 //! weights streamed for single-stream decode.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::backend::{Batch, LogitsWanted, ModelRunner, SeqChunk};
+use crate::backend::{Batch, LogitsWanted, ModelOutput, ModelRunner, SeqChunk};
 use crate::generate::GenerateError;
 use crate::kv::BlockAllocator;
 use crate::model::llama::LlamaConfig;
-use crate::sampling::argmax;
+use crate::sampling::{SamplingParams, SeqSampling};
 
 /// What to measure.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,6 +98,10 @@ pub struct BenchReport {
     pub decode_tps: f64,
     /// `(parallel, aggregate decode tokens/s)`.
     pub aggregate_tps: Vec<(usize, f64)>,
+    /// `(parallel, bytes each counter advanced per aggregate decode step)`: with a
+    /// parallel group's counters ([`crate::parallel::loopback::Counting`]), what each
+    /// rank sends per step; empty lists without counters.
+    pub bytes_per_decode_step: Vec<(usize, Vec<f64>)>,
 }
 
 /// Token ids for synthetic prompts (fixed, spread over the vocabulary).
@@ -105,14 +111,36 @@ fn synthetic(n: usize, salt: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Runs all measurements.
+/// Greedy sampling for `n` sequences: steps run as serving runs them
+/// ([`ModelRunner::execute`]), sampling beside the forward pass, so a parallel group
+/// sends the leader tokens, not logits rows.
+fn greedy(n: usize) -> Vec<Option<SeqSampling>> {
+    let one = SeqSampling {
+        params: SamplingParams::default(),
+        uniform: None,
+        history: Vec::new(),
+        stop_tokens: Vec::new(),
+        logprob: false,
+    };
+    vec![Some(one); n]
+}
+
+/// The token sequence `i` sampled (0 if it sampled none, which greedy steps never do).
+fn token(out: &ModelOutput, i: usize) -> u32 {
+    out.sampled.get(i).copied().flatten().map_or(0, |s| s.token)
+}
+
+/// Runs all measurements. `sent` are byte counters (one per rank of a parallel group,
+/// none for a single process), read around each aggregate decode.
 ///
 /// # Errors
 /// Too few KV blocks or a backend error.
 pub fn run(
     runner: &mut dyn ModelRunner,
     config: &BenchConfig,
+    sent: &[Arc<AtomicU64>],
 ) -> Result<BenchReport, GenerateError> {
+    let read = || -> Vec<u64> { sent.iter().map(|c| c.load(Ordering::Relaxed)).collect() };
     let geo = runner.kv_geometry();
     let vocab = runner.config().vocab;
     let mut alloc = BlockAllocator::new(geo.num_blocks);
@@ -137,18 +165,24 @@ pub fn run(
     for rep in 0..config.repetitions {
         let prompt = synthetic(config.prompt_tokens, rep, vocab);
         let t = Instant::now();
-        runner.forward(&Batch {
-            seqs: vec![one(config.prompt_tokens, 0, &table, prompt)],
-        })?;
+        runner.execute(
+            &Batch {
+                seqs: vec![one(config.prompt_tokens, 0, &table, prompt)],
+            },
+            &greedy(1),
+        )?;
         prompt_s += t.elapsed().as_secs_f64();
 
         let mut tok = synthetic(1, rep, vocab)[0];
         let t = Instant::now();
         for pos in 0..config.gen_tokens {
-            let out = runner.forward(&Batch {
-                seqs: vec![one(1, pos, &table, vec![tok])],
-            })?;
-            tok = out.last_of(0).map_or(0, |l| argmax(l) as u32);
+            let out = runner.execute(
+                &Batch {
+                    seqs: vec![one(1, pos, &table, vec![tok])],
+                },
+                &greedy(1),
+            )?;
+            tok = token(&out, 0);
         }
         decode_s += t.elapsed().as_secs_f64();
         tracing::info!(rep, prompt_s, decode_s, "bench repetition");
@@ -159,6 +193,7 @@ pub fn run(
     alloc.release(&table)?;
 
     let mut aggregate_tps = Vec::new();
+    let mut bytes_per_decode_step = Vec::new();
     for &np in &config.parallel {
         let mut tables = Vec::with_capacity(np);
         for _ in 0..np {
@@ -185,24 +220,31 @@ pub fn run(
                     )
                 })
                 .collect();
-            let out = runner.forward(&Batch { seqs })?;
+            let out = runner.execute(&Batch { seqs }, &greedy(group.len()))?;
             for (k, &i) in group.iter().enumerate() {
-                next[i] = out.last_of(k).map_or(0, |l| argmax(l) as u32);
+                next[i] = token(&out, k);
             }
         }
+        let before = read();
         let t = Instant::now();
         for step in 0..config.gen_tokens {
             let seqs = (0..np)
                 .map(|i| one(1, config.batch_prompt + step, &tables[i], vec![next[i]]))
                 .collect();
-            let out = runner.forward(&Batch { seqs })?;
+            let out = runner.execute(&Batch { seqs }, &greedy(np))?;
             for (i, n) in next.iter_mut().enumerate() {
-                *n = out.last_of(i).map_or(0, |l| argmax(l) as u32);
+                *n = token(&out, i);
             }
         }
         let tps = (np * config.gen_tokens) as f64 / t.elapsed().as_secs_f64();
+        let per_step = read()
+            .iter()
+            .zip(&before)
+            .map(|(after, before)| (after - before) as f64 / config.gen_tokens as f64)
+            .collect();
         tracing::info!(parallel = np, tps, "aggregate decode");
         aggregate_tps.push((np, tps));
+        bytes_per_decode_step.push((np, per_step));
         for t in &tables {
             alloc.release(t)?;
         }
@@ -211,6 +253,7 @@ pub fn run(
         prompt_tps,
         decode_tps,
         aggregate_tps,
+        bytes_per_decode_step,
     })
 }
 

@@ -25,6 +25,10 @@
 //!   rank's loop. Pipeline logits are bit-identical to the single process's
 //!   (`tests/pipeline_parallel.rs`); tensor-parallel ones differ by summation order
 //!   only (`tests/tensor_parallel.rs` states the tolerance).
+//! - [`loopback`]: a whole group as threads of one process over loopback TCP, and a
+//!   transport that counts the bytes a rank sends: what `slipway-engine bench
+//!   --tensor-parallel/--pipeline-parallel` (`make bench-parallel`, table in
+//!   `engine/BENCHMARKS.md`) and the equivalence tests run.
 //!
 //! Rank numbering, shared with the contract's `--rank`: `rank = stage × tensor +
 //! tensor_rank`. Rank 0 is the leader: it serves HTTP, admits requests and runs the
@@ -50,8 +54,6 @@
 //! - `serve` runs tensor × pipeline groups (see `serve.rs`; workers answer only
 //!   `/health` and `/ready`, ready once the group formed); it refuses LoRA adapters
 //!   and the CUDA backend in a group. NCCL behind [`Transport`] for CUDA.
-//! - `make bench-parallel` and its table (decode and prefill tok/s, bytes and µs per
-//!   step, resident set per rank) in `engine/BENCHMARKS.md`.
 //! - Operator (done for CPU, see `operator/src/groups.rs` and `pod.rs`): a CPU group
 //!   is one pod per rank, each given `--tensor-parallel`, `--pipeline-parallel`,
 //!   `--rank` and `--leader-address` (the rank-0 pod's DNS name under the group's
@@ -61,6 +63,7 @@
 //!   cannot resolve its leader there until it gets one.
 
 pub mod layout;
+pub mod loopback;
 pub mod pipeline;
 pub mod step;
 pub mod tcp;

@@ -3,10 +3,7 @@
 //! ranks as threads, teacher-forced and batched runs, and transports that count or
 //! break. Each test crate uses a subset.
 
-use std::net::TcpListener;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
@@ -14,10 +11,11 @@ use slipway_engine::backend::{Batch, Logits, LogitsWanted, ModelRunner, SeqChunk
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::{LlamaConfig, LlamaWeights};
+use slipway_engine::parallel::loopback::{self, LoopbackConfig};
+pub use slipway_engine::parallel::loopback::{Counting, Worker};
 use slipway_engine::parallel::transport::FrameKind;
 use slipway_engine::parallel::{
-    ModelShape, ParallelLayout, PipelineError, PipelineRunner, StageRunner, TcpConfig,
-    TcpTransport, Transport, TransportError, run_worker,
+    ModelShape, ParallelLayout, PipelineRunner, TcpConfig, TcpTransport, Transport, TransportError,
 };
 use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
 use slipway_engine::testing::{model_path, oracle};
@@ -73,9 +71,6 @@ pub fn tcp_config(rank: usize, world: usize, leader: &str, step_timeout: Duratio
     }
 }
 
-/// A worker rank's thread: loads its stage, joins, serves steps.
-pub type Worker = JoinHandle<Result<(), PipelineError>>;
-
 /// A `tensor × pipeline` group on loopback: the leader's runner and the workers'
 /// threads, the leader's transport passed through `lead` and each worker's through
 /// `wrap` (tests count or break them there).
@@ -104,25 +99,19 @@ where
     L: Transport<Tensor = [f32]> + Send,
     W: Transport<Tensor = [f32]> + Send,
 {
-    let group = layout_of(model, tensor, pipeline);
-    let world = group.world_size();
-    let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-    let leader = listener.local_addr().expect("its address").to_string();
-    let mut workers = Vec::new();
-    for rank in 1..world {
-        let config = tcp_config(rank, world, &leader, step_timeout);
-        let (group, wrap) = (group.clone(), wrap.clone());
-        workers.push(thread::spawn(move || {
-            let mut stage = StageRunner::load(model, &group, rank, &cpu_config())?;
-            let transport = TcpTransport::join(&config)?;
-            run_worker(wrap(transport), &mut stage)
-        }));
-    }
-    let stage = StageRunner::load(model, &group, 0, &cpu_config()).expect("stage 0");
-    let config = tcp_config(0, world, &leader, step_timeout);
-    let transport = TcpTransport::lead(&listener, &config).expect("rendezvous");
-    let runner = PipelineRunner::new(stage, lead(transport)).expect("leader");
-    (runner, workers)
+    let config = LoopbackConfig {
+        cpu: cpu_config(),
+        rendezvous_timeout: LONG,
+        step_timeout,
+    };
+    loopback::start(
+        model,
+        &layout_of(model, tensor, pipeline),
+        &config,
+        lead,
+        wrap,
+    )
+    .expect("a loopback group")
 }
 
 pub fn group(tensor: usize, pipeline: usize) -> (PipelineRunner<TcpTransport>, Vec<Worker>) {
@@ -131,17 +120,11 @@ pub fn group(tensor: usize, pipeline: usize) -> (PipelineRunner<TcpTransport>, V
 
 /// Stops the group and checks every worker exited cleanly.
 pub fn finish<T: Transport<Tensor = [f32]> + Send>(
-    mut runner: PipelineRunner<T>,
+    runner: PipelineRunner<T>,
     workers: Vec<Worker>,
 ) {
-    runner.stop().expect("stop");
-    for (i, w) in workers.into_iter().enumerate() {
-        let rank = i + 1;
-        match w.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("rank {rank} failed: {e}"),
-            Err(_) => panic!("rank {rank}'s thread panicked"),
-        }
+    if let Err(e) = loopback::finish(runner, workers) {
+        panic!("{e}");
     }
 }
 
@@ -254,88 +237,6 @@ pub fn batched(
         }
     }
     st.into_iter().map(|s| (s.rows, s.toks)).collect()
-}
-
-/// A transport that counts the payload bytes it sends.
-pub struct Counting {
-    pub inner: TcpTransport,
-    pub sent: Arc<AtomicU64>,
-}
-
-impl Counting {
-    fn count(&self, bytes: usize) {
-        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-}
-
-impl Transport for Counting {
-    type Tensor = [f32];
-
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn send_bytes(
-        &mut self,
-        to: usize,
-        step: u64,
-        kind: FrameKind,
-        payload: &[u8],
-    ) -> Result<(), TransportError> {
-        self.count(payload.len());
-        self.inner.send_bytes(to, step, kind, payload)
-    }
-
-    fn recv_bytes(
-        &mut self,
-        from: usize,
-        step: u64,
-        kind: FrameKind,
-    ) -> Result<&[u8], TransportError> {
-        self.inner.recv_bytes(from, step, kind)
-    }
-
-    fn send_tensor(
-        &mut self,
-        to: usize,
-        step: u64,
-        kind: FrameKind,
-        tensor: &[f32],
-    ) -> Result<(), TransportError> {
-        self.count(size_of_val(tensor));
-        self.inner.send_tensor(to, step, kind, tensor)
-    }
-
-    fn recv_tensor(
-        &mut self,
-        from: usize,
-        step: u64,
-        kind: FrameKind,
-        out: &mut [f32],
-    ) -> Result<(), TransportError> {
-        self.inner.recv_tensor(from, step, kind, out)
-    }
-
-    fn all_reduce_sum(
-        &mut self,
-        ranks: &[usize],
-        step: u64,
-        buf: &mut [f32],
-    ) -> Result<(), TransportError> {
-        // The TCP all-reduce gathers on the set's first rank, which sends the sum back
-        // to each of the others.
-        let copies = if ranks.first() == Some(&self.inner.rank()) {
-            ranks.len() - 1
-        } else {
-            1
-        };
-        self.count(copies * size_of_val(buf));
-        self.inner.all_reduce_sum(ranks, step, buf)
-    }
 }
 
 /// A worker transport that, once `batches` step frames have arrived, drops its
