@@ -260,3 +260,27 @@ fn softmax_exp_is_within_one_epsilon_of_exp() {
     }
     assert!(worst <= 1.0, "relative error {worst} x 2^-23");
 }
+
+#[test]
+fn every_path_widens_every_f16_as_the_portable_conversion_does() {
+    let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let mut want = vec![0f32; all.len()];
+    widen_portable(&all, &mut want);
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    for isa in Isa::all_available() {
+        let widen = widen_for(isa);
+        // Whole vectors, tails shorter than one, and starts off any alignment.
+        for (start, len) in [(0, all.len()), (3, 37), (1, 15), (5, 0), (65_000, 536)] {
+            let mut got = vec![f32::NAN; len];
+            widen(&all[start..][..len], &mut got);
+            for (i, (&g, &w)) in got.iter().zip(&want[start..]).enumerate() {
+                assert!(
+                    same(g, w),
+                    "{isa:?}: f16 bits {:#06x} became {g} (bits {:#010x}), not {w}",
+                    start + i,
+                    g.to_bits()
+                );
+            }
+        }
+    }
+}

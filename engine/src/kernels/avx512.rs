@@ -161,5 +161,34 @@ fn attend_avx512(
     scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
-    super::attention::attend_impl(tile, scratch, out);
+    super::attention::attend_impl(tile, scratch, out, widen_f16);
+}
+
+/// [`super::attention::WidenF16`] 16 values at a time (`vcvtph2ps`), exact as every
+/// path's conversion.
+///
+/// # Panics
+/// When `src` and `dst` differ in length, or on a CPU without the features
+/// [`available`] checks.
+pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "f16 → f32 of two lengths");
+    assert!(available(), "avx512 conversion called on a CPU without it");
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { widen_f16_avx512(src, dst) }
+}
+
+#[target_feature(enable = "avx512f,f16c")]
+fn widen_f16_avx512(src: &[half::f16], dst: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt as _;
+    use std::arch::x86_64::{_mm256_loadu_si256, _mm512_cvtph_ps, _mm512_storeu_ps};
+    let whole = src.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        // SAFETY: i + 16 <= whole <= the length of both slices (asserted equal), and
+        // the load and store are unaligned.
+        unsafe {
+            let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+            _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+        }
+    }
+    src[whole..].convert_to_f32_slice(&mut dst[whole..]);
 }
