@@ -13,15 +13,18 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256, __m256i, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32, _mm256_and_si256,
-    _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16,
-    _mm256_maddubs_epi16, _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_epi16, _mm256_set1_epi32,
-    _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_sign_epi8, _mm256_srli_epi16,
-    _mm256_storeu_ps, _mm256_xor_si256,
+    __m256, __m256i, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32, _mm256_add_epi64,
+    _mm256_add_pd, _mm256_and_si256, _mm256_castpd_si256, _mm256_castps256_ps128,
+    _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_cvtps_pd, _mm256_extractf128_ps, _mm256_fmadd_ps,
+    _mm256_loadu_si256, _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_max_ps, _mm256_min_ps,
+    _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_epi64x,
+    _mm256_set1_pd, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_sign_epi8,
+    _mm256_srli_epi16, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_sub_epi64, _mm256_xor_si256,
 };
 
 use std::ops::Range;
 
+use super::exact;
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
 
@@ -61,6 +64,151 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out:
             }
         }
         t += nt;
+    }
+}
+
+/// [`group`] with exact sums ([`exact`]): the same block dot products, each block's
+/// term rounded to fixed point and summed in 64-bit lanes, into
+/// `out[(t - acts.start) * GROUP + lane]`.
+///
+/// # Panics
+/// As [`group`].
+pub fn group_exact(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out: &mut [i64]) {
+    assert!(available(), "AVX2 kernel called on a CPU without it");
+    assert!(x.cols == w.cols() && g < w.groups() && acts.end <= x.n);
+    assert!(out.len() >= acts.len() * GROUP);
+    assert!(x.q.len() >= x.n * x.cols && x.d.len() >= x.n * w.nblocks());
+    assert!(x.s.len() == x.d.len() && x.qsum.len() == x.d.len());
+    let nibble = w.kind() == PackedKind::Nibble;
+    let mut t = acts.start;
+    while t < acts.end {
+        let nt = (acts.end - t).min(4);
+        let i = t - acts.start;
+        let o = &mut out[i * GROUP..(i + nt) * GROUP];
+        // SAFETY: the features were checked above; shapes (group in range, activation
+        // rows t..t+nt within x, o holding nt*16 integers) were asserted above.
+        unsafe {
+            if nibble {
+                tile_exact::<true>(w, g, x, t, nt, o);
+            } else {
+                tile_exact::<false>(w, g, x, t, nt, o);
+            }
+        }
+        t += nt;
+    }
+}
+
+/// [`tile`] with exact sums: each block's term is computed scaled ([`exact`]),
+/// clamped, widened to f64 (exact) and made an integer by the magic-number addition
+/// [`exact::fixed`] describes (AVX2 has no float-to-i64 conversion), then added to
+/// 64-bit accumulators, four lanes a register.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_exact<const NIBBLE: bool>(
+    w: &PackedMatrix,
+    g: usize,
+    x: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [i64],
+) {
+    let nb = w.nblocks();
+    let stride = w.stride();
+    let cols = x.cols;
+    let gdata = &w.data()[g * w.group_bytes()..][..w.group_bytes()];
+    // acc[t][q]: lanes 4q..4q+4 of activation row t0 + t.
+    let mut acc: [[__m256i; 4]; 4] = [[_mm256_setzero_si256(); 4]; 4];
+    let mask = _mm256_set1_epi8(0x0f);
+    let recentre = _mm256_set1_epi8(i8::MIN);
+    let ones = _mm256_set1_epi16(1);
+    let (lo, hi) = (
+        _mm256_set1_ps(-exact::TERM_LIMIT),
+        _mm256_set1_ps(exact::TERM_LIMIT),
+    );
+    let magic = _mm256_set1_pd(exact::MAGIC);
+    let magic_bits = _mm256_set1_epi64x(exact::MAGIC.to_bits().cast_signed());
+    for b in 0..nb {
+        let blk = &gdata[b * stride..][..stride];
+        let p = blk.as_ptr();
+        let mut wv: [[__m256i; 2]; 8] = [[_mm256_setzero_si256(); 2]; 8];
+        for h in 0..2 {
+            if NIBBLE {
+                for i in 0..4 {
+                    // SAFETY: half h of chunk i of the 256 nibble bytes is within the
+                    // block (64 scale bytes + 4 · 64).
+                    let v = unsafe { _mm256_loadu_si256(p.add(64 + i * 64 + h * 32).cast()) };
+                    wv[i][h] = _mm256_and_si256(v, mask);
+                    wv[4 + i][h] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+                }
+            } else {
+                for (j, v) in wv.iter_mut().enumerate() {
+                    // SAFETY: half h of chunk j of the 512 byte quants is within the
+                    // block (64 scale bytes + 8 · 64).
+                    let raw = unsafe { _mm256_loadu_si256(p.add(64 + j * 64 + h * 32).cast()) };
+                    v[h] = _mm256_xor_si256(raw, recentre);
+                }
+            }
+        }
+        // SAFETY: the 64 scale bytes (16 f16 `d`, then 16 f16 `m`) start the block.
+        let (d, m) = unsafe {
+            (
+                [
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+                ],
+                [
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(32).cast())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(48).cast())),
+                ],
+            )
+        };
+        for (t, a) in acc.iter_mut().enumerate().take(nt) {
+            let row = t0 + t;
+            let xb = &x.q[row * cols + b * QK..][..QK];
+            let bi = row * nb + b;
+            for h in 0..2 {
+                let mut isum = _mm256_setzero_si256();
+                for (j, wj) in wv.iter().enumerate() {
+                    let xj = _mm256_set1_epi32(i32::from_le_bytes([
+                        xb[4 * j] as u8,
+                        xb[4 * j + 1] as u8,
+                        xb[4 * j + 2] as u8,
+                        xb[4 * j + 3] as u8,
+                    ]));
+                    let pairs = if NIBBLE {
+                        _mm256_maddubs_epi16(wj[h], xj)
+                    } else {
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(wj[h]), _mm256_sign_epi8(xj, wj[h]))
+                    };
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+                }
+                let dx = _mm256_mul_ps(d[h], _mm256_set1_ps(x.d[bi] * exact::SCALE));
+                let term = if NIBBLE {
+                    let ms = _mm256_mul_ps(m[h], _mm256_set1_ps(x.s[bi] * exact::SCALE));
+                    _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(isum), ms)
+                } else {
+                    _mm256_mul_ps(dx, _mm256_cvtepi32_ps(isum))
+                };
+                // max then min with the term first: a NaN takes the lower bound, as in
+                // `exact::fixed`.
+                let term = _mm256_min_ps(_mm256_max_ps(term, lo), hi);
+                let halves = [
+                    _mm256_castps256_ps128(term),
+                    _mm256_extractf128_ps::<1>(term),
+                ];
+                for (q, half) in halves.into_iter().enumerate() {
+                    let shifted = _mm256_add_pd(_mm256_cvtps_pd(half), magic);
+                    let fixed = _mm256_sub_epi64(_mm256_castpd_si256(shifted), magic_bits);
+                    a[2 * h + q] = _mm256_add_epi64(a[2 * h + q], fixed);
+                }
+            }
+        }
+    }
+    for (t, a) in acc.iter().enumerate().take(nt) {
+        for (q, v) in a.iter().enumerate() {
+            let o = &mut out[t * GROUP + q * 4..][..4];
+            // SAFETY: o holds exactly 4 integers.
+            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), *v) };
+        }
     }
 }
 

@@ -7,15 +7,17 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512, __m512i, _mm512_add_epi32, _mm512_and_si512, _mm512_castsi512_si256,
-    _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_extracti64x4_epi64,
-    _mm512_fmadd_ps, _mm512_load_si512, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srli_epi16, _mm512_storeu_ps,
-    _mm512_sub_epi32,
+    __m512, __m512i, _mm512_add_epi32, _mm512_add_epi64, _mm512_and_si512, _mm512_castps512_ps256,
+    _mm512_castsi512_si256, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_cvtps_epi64,
+    _mm512_dpbusd_epi32, _mm512_extractf32x8_ps, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
+    _mm512_load_si512, _mm512_max_ps, _mm512_min_ps, _mm512_mul_ps, _mm512_set1_epi8,
+    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srli_epi16,
+    _mm512_storeu_ps, _mm512_storeu_si512, _mm512_sub_epi32,
 };
 
 use std::ops::Range;
 
+use super::exact;
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
 
@@ -24,6 +26,7 @@ use super::quant::QK;
 pub fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512dq")
         && std::arch::is_x86_feature_detected!("avx512vnni")
         && std::arch::is_x86_feature_detected!("f16c")
 }
@@ -138,6 +141,134 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(
         let o = &mut out[t * GROUP..(t + 1) * GROUP];
         // SAFETY: o holds exactly 16 floats.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+    }
+}
+
+/// [`group`] with exact sums ([`exact`]): the same block dot products, each block's
+/// term rounded to fixed point and summed in 64-bit lanes, into
+/// `out[(t - acts.start) * GROUP + lane]`.
+///
+/// # Panics
+/// As [`group`].
+pub fn group_exact(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out: &mut [i64]) {
+    assert!(
+        available(),
+        "AVX-512 VNNI kernel called on a CPU without it"
+    );
+    assert!(x.cols == w.cols() && g < w.groups() && acts.end <= x.n);
+    assert!(out.len() >= acts.len() * GROUP);
+    assert!(x.q.len() >= x.n * x.cols && x.d.len() >= x.n * w.nblocks());
+    assert!(x.s.len() == x.d.len() && x.qsum.len() == x.d.len());
+    let nibble = w.kind() == PackedKind::Nibble;
+    let mut t = acts.start;
+    while t < acts.end {
+        let nt = (acts.end - t).min(4);
+        let i = t - acts.start;
+        let o = &mut out[i * GROUP..(i + nt) * GROUP];
+        // SAFETY: the features were checked above; shapes (group in range, activation
+        // rows t..t+nt within x, o holding nt*16 integers) were asserted above.
+        unsafe {
+            match (nt, nibble) {
+                (4, true) => tile_exact::<4, true>(w, g, x, t, o),
+                (4, false) => tile_exact::<4, false>(w, g, x, t, o),
+                (3, true) => tile_exact::<3, true>(w, g, x, t, o),
+                (3, false) => tile_exact::<3, false>(w, g, x, t, o),
+                (2, true) => tile_exact::<2, true>(w, g, x, t, o),
+                (2, false) => tile_exact::<2, false>(w, g, x, t, o),
+                (_, true) => tile_exact::<1, true>(w, g, x, t, o),
+                (_, false) => tile_exact::<1, false>(w, g, x, t, o),
+            }
+        }
+        t += nt;
+    }
+}
+
+/// [`tile`] with exact sums: the integer part is the same; each block's term is
+/// computed scaled ([`exact`]: one multiply, one FMA or multiply), clamped,
+/// converted to i64 with `vcvtps2qq` (rounding to nearest even, the default MXCSR
+/// mode) and added to two 8-lane i64 accumulators per activation row.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,f16c,fma")]
+unsafe fn tile_exact<const NT: usize, const NIBBLE: bool>(
+    w: &PackedMatrix,
+    g: usize,
+    x: &QuantActs,
+    t0: usize,
+    out: &mut [i64],
+) {
+    let nb = w.nblocks();
+    let stride = w.stride();
+    let cols = x.cols;
+    let gdata = &w.data()[g * w.group_bytes()..][..w.group_bytes()];
+    // acc[t]: lanes 0..8 and 8..16 of activation row t0 + t.
+    let mut acc: [[__m512i; 2]; NT] = [[_mm512_setzero_si512(); 2]; NT];
+    let mask = _mm512_set1_epi8(0x0f);
+    let (lo, hi) = (
+        _mm512_set1_ps(-exact::TERM_LIMIT),
+        _mm512_set1_ps(exact::TERM_LIMIT),
+    );
+    for b in 0..nb {
+        let blk = gdata[b * stride..][..stride].as_ptr();
+        let mut wv: [__m512i; 8] = [_mm512_setzero_si512(); 8];
+        // SAFETY: blk points at `stride` bytes (64 scale bytes + 256 or 512 quant
+        // bytes) starting 64-byte aligned, as PackedMatrix guarantees.
+        let sc = unsafe { _mm512_load_si512(blk.cast()) };
+        let dv = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+        let mv = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(sc));
+        if NIBBLE {
+            for i in 0..4 {
+                // SAFETY: chunk i of the 256 nibble bytes lies within the block.
+                let v = unsafe { _mm512_load_si512(blk.add(64 + i * 64).cast()) };
+                wv[i] = _mm512_and_si512(v, mask);
+                wv[4 + i] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+            }
+        } else {
+            for (j, v) in wv.iter_mut().enumerate() {
+                // SAFETY: chunk j of the 512 byte quants lies within the block.
+                *v = unsafe { _mm512_load_si512(blk.add(64 + j * 64).cast()) };
+            }
+        }
+        for (t, a) in acc.iter_mut().enumerate() {
+            let row = t0 + t;
+            let xb = &x.q[row * cols + b * QK..][..QK];
+            let dword = |j: usize| {
+                i32::from_le_bytes([
+                    xb[4 * j] as u8,
+                    xb[4 * j + 1] as u8,
+                    xb[4 * j + 2] as u8,
+                    xb[4 * j + 3] as u8,
+                ])
+            };
+            let mut i0 = _mm512_setzero_si512();
+            let mut i1 = _mm512_setzero_si512();
+            for j in (0..8).step_by(2) {
+                i0 = _mm512_dpbusd_epi32(i0, wv[j], _mm512_set1_epi32(dword(j)));
+                i1 = _mm512_dpbusd_epi32(i1, wv[j + 1], _mm512_set1_epi32(dword(j + 1)));
+            }
+            let mut isum = _mm512_add_epi32(i0, i1);
+            let bi = row * nb + b;
+            if !NIBBLE {
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.qsum[bi]));
+            }
+            let dx = _mm512_mul_ps(dv, _mm512_set1_ps(x.d[bi] * exact::SCALE));
+            let term = if NIBBLE {
+                let ms = _mm512_mul_ps(mv, _mm512_set1_ps(x.s[bi] * exact::SCALE));
+                _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(isum), ms)
+            } else {
+                _mm512_mul_ps(dx, _mm512_cvtepi32_ps(isum))
+            };
+            // max then min with the term first: a NaN takes the lower bound, as in
+            // `exact::fixed`.
+            let term = _mm512_min_ps(_mm512_max_ps(term, lo), hi);
+            a[0] = _mm512_add_epi64(a[0], _mm512_cvtps_epi64(_mm512_castps512_ps256(term)));
+            a[1] = _mm512_add_epi64(a[1], _mm512_cvtps_epi64(_mm512_extractf32x8_ps::<1>(term)));
+        }
+    }
+    for (t, a) in acc.iter().enumerate() {
+        for (h, v) in a.iter().enumerate() {
+            let o = &mut out[t * GROUP + h * 8..][..8];
+            // SAFETY: o holds exactly 8 integers.
+            unsafe { _mm512_storeu_si512(o.as_mut_ptr().cast(), *v) };
+        }
     }
 }
 

@@ -6,12 +6,15 @@
 //! Invariant: every product path computes the same integer block sums as the scalar
 //! kernel, which is tested against plain dequantize-then-multiply; the only
 //! difference to the exact product is the activation rounding ggml also does.
+//! [`matmul_exact`] sums the same block terms in fixed point ([`exact`]): its
+//! results are the same bits on every path and for any split of the columns.
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod exact;
 pub mod ops;
 pub mod pack;
 pub mod peak;
@@ -47,7 +50,7 @@ pub enum Isa {
     Scalar,
     /// AVX2 with FMA and F16C (`vpmaddubsw` + `vpmaddwd`).
     Avx2,
-    /// AVX-512 with VNNI (`vpdpbusd`).
+    /// AVX-512 with VNNI (`vpdpbusd`) and DQ (`vcvtps2qq`, for exact sums).
     Avx512Vnni,
 }
 
@@ -101,6 +104,23 @@ fn group_kernel(
     }
 }
 
+fn group_kernel_exact(
+    isa: Isa,
+    w: &PackedMatrix,
+    g: usize,
+    x: &QuantActs,
+    acts: Range<usize>,
+    out: &mut [i64],
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => avx512::group_exact(w, g, x, acts, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::group_exact(w, g, x, acts, out),
+        _ => scalar::group_exact(w, g, x, acts, out),
+    }
+}
+
 /// Activation rows one task takes: their quants (at most 96 KiB for the widest
 /// input, 1,536 columns) stay in L1/L2 while every weight group of the task
 /// streams past them. Without this blocking a 512-token prompt streamed all of its
@@ -125,18 +145,64 @@ pub fn matmul(
     x: &QuantActs,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    check_shapes(w, x, out.len())?;
+    grid(w, x, out, |g, acts, tile| {
+        group_kernel(isa, w, g, x, acts, tile);
+    });
+    Ok(())
+}
+
+/// [`matmul`] with exact sums: `out[t][r]` is row `r`'s sum in [`exact`] fixed point,
+/// the same bits on every instruction set and for any split of the columns (the
+/// fixed-point sums of column ranges add up to the whole's, in any order).
+///
+/// # Errors
+/// As [`matmul`], and [`KernelError::Unsupported`] for more than
+/// [`exact::MAX_TERMS`] blocks per row, past which the sum could overflow.
+pub fn matmul_exact(
+    isa: Isa,
+    w: &PackedMatrix,
+    x: &QuantActs,
+    out: &mut [i64],
+) -> Result<(), KernelError> {
+    check_shapes(w, x, out.len())?;
+    if w.nblocks() > exact::MAX_TERMS {
+        return Err(KernelError::Unsupported(format!(
+            "exact sums over {} columns (at most {})",
+            w.cols(),
+            exact::MAX_TERMS * QK
+        )));
+    }
+    grid(w, x, out, |g, acts, tile| {
+        group_kernel_exact(isa, w, g, x, acts, tile);
+    });
+    Ok(())
+}
+
+fn check_shapes(w: &PackedMatrix, x: &QuantActs, out_len: usize) -> Result<(), KernelError> {
     let (n, rows) = (x.n, w.rows());
-    if x.cols != w.cols() || out.len() != n * rows {
+    if x.cols != w.cols() || out_len != n * rows {
         return Err(KernelError::Shape(format!(
-            "{}×{} weights times {n}×{} activations into {} outputs",
+            "{}×{} weights times {n}×{} activations into {out_len} outputs",
             rows,
             w.cols(),
             x.cols,
-            out.len()
         )));
     }
+    Ok(())
+}
+
+/// Runs `kernel(group, activation rows, tile)` over the task grid [`matmul`]
+/// describes and copies each tile into `out`.
+fn grid<T: Copy + Default + Send>(
+    w: &PackedMatrix,
+    x: &QuantActs,
+    out: &mut [T],
+    kernel: impl Fn(usize, Range<usize>, &mut [T]) + Sync,
+) {
+    let (n, rows) = (x.n, w.rows());
     if n == 0 {
-        return Ok(());
+        return;
     }
     let groups = w.groups();
     let row_blocks = n.div_ceil(ROW_BLOCK);
@@ -147,40 +213,39 @@ pub fn matmul(
     let group_runs = groups.div_ceil(run_len);
     let shared = SharedOut::new(out, rows);
     (0..row_blocks * group_runs).into_par_iter().for_each_init(
-        || vec![0f32; ROW_BLOCK.min(n) * GROUP],
+        || vec![T::default(); ROW_BLOCK.min(n) * GROUP],
         |tile, task| {
             let (rb, run) = (task / group_runs, task % group_runs);
             let acts = rb * ROW_BLOCK..((rb + 1) * ROW_BLOCK).min(n);
             for g in run * run_len..((run + 1) * run_len).min(groups) {
                 let r0 = g * GROUP;
                 let width = GROUP.min(rows - r0);
-                group_kernel(isa, w, g, x, acts.clone(), tile);
+                kernel(g, acts.clone(), tile);
                 for (i, t) in acts.clone().enumerate() {
                     shared.write(t, r0, &tile[i * GROUP..i * GROUP + width]);
                 }
             }
         },
     );
-    Ok(())
 }
 
 /// The output of one [`matmul`], written by all of its tasks at once. Each task owns
 /// a rectangle of it (its activation rows × its groups' columns), so the writes never
 /// overlap; a slice cannot express a rectangle, hence the pointer.
-struct SharedOut<'a> {
-    ptr: *mut f32,
+struct SharedOut<'a, T> {
+    ptr: *mut T,
     len: usize,
     row_len: usize,
-    _buffer: std::marker::PhantomData<&'a mut [f32]>,
+    _buffer: std::marker::PhantomData<&'a mut [T]>,
 }
 
 // SAFETY: the tasks sharing it write disjoint elements (see `write`), and it holds
 // the `&mut` borrow of the buffer for as long as it lives.
 #[allow(unsafe_code)]
-unsafe impl Sync for SharedOut<'_> {}
+unsafe impl<T: Send> Sync for SharedOut<'_, T> {}
 
-impl<'a> SharedOut<'a> {
-    fn new(out: &'a mut [f32], row_len: usize) -> Self {
+impl<'a, T: Copy> SharedOut<'a, T> {
+    fn new(out: &'a mut [T], row_len: usize) -> Self {
         Self {
             ptr: out.as_mut_ptr(),
             len: out.len(),
@@ -190,7 +255,7 @@ impl<'a> SharedOut<'a> {
     }
 
     /// Writes `vals` at row `t`, columns `r0..`; callers write each element once.
-    fn write(&self, t: usize, r0: usize, vals: &[f32]) {
+    fn write(&self, t: usize, r0: usize, vals: &[T]) {
         let at = t * self.row_len + r0;
         assert!(r0 + vals.len() <= self.row_len && at + vals.len() <= self.len);
         // SAFETY: the range is inside the buffer (asserted), which outlives every

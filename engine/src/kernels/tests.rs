@@ -114,6 +114,165 @@ proptest! {
     }
 }
 
+/// The rows of `raw` (`rows` × `nb` blocks of `format`), keeping blocks `blocks` of
+/// each: one rank's row-parallel shard.
+fn column_shard(
+    format: WeightFormat,
+    raw: &[u8],
+    nb: usize,
+    blocks: std::ops::Range<usize>,
+) -> Vec<u8> {
+    let bb = format.block_bytes();
+    raw.chunks_exact(nb * bb)
+        .flat_map(|row| &row[blocks.start * bb..blocks.end * bb])
+        .copied()
+        .collect()
+}
+
+fn exact_product(
+    isa: Isa,
+    format: WeightFormat,
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+) -> Vec<i64> {
+    let packed = PackedMatrix::pack(
+        cols,
+        &[RowSource {
+            format,
+            rows,
+            data: raw,
+        }],
+    )
+    .unwrap();
+    let mut acts = QuantActs::default();
+    acts.quantize(x, n, cols).unwrap();
+    let mut out = vec![0i64; n * rows];
+    matmul_exact(isa, &packed, &acts, &mut out).unwrap();
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Exact sums: the same bits on every instruction set, within the float
+    /// kernels' bound of the dequantized product, and the same bits again when the
+    /// columns are split in three and the parts' sums are added in any order (what
+    /// a tensor group's ranks and its all-reduce do).
+    #[test]
+    fn exact_products_are_the_same_bits_on_every_path_and_split(
+        rows in 1usize..41,
+        cb in 1usize..9,
+        // Past two row blocks of `matmul`'s task grid, ragged ends and every tile
+        // height included.
+        n in 1usize..140,
+        q8 in any::<bool>(),
+        cuts in (0usize..9, 0usize..9),
+        seed in proptest::collection::vec(any::<u8>(), 64..256),
+        xs in proptest::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        let cols = cb * QK;
+        let format = if q8 { WeightFormat::Q8_0 } else { WeightFormat::Q4_1 };
+        let raw = random_blocks(format, rows, cols, &seed);
+        let dense = dequantize_matrix(format, &raw, rows, cols).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|i| xs[i % xs.len()] * (1.0 + (i % 7) as f32 * 0.3)).collect();
+        let (exact, bound) = reference(&dense, &x, rows, cols, n);
+        let whole = exact_product(Isa::Scalar, format, &raw, rows, cols, &x, n);
+        for (i, v) in whole.iter().enumerate() {
+            let got = f64::from(exact::to_f32(*v));
+            prop_assert!((got - exact[i]).abs() <= bound[i],
+                "{format:?} [{i}]: {got} vs exact {} (bound {})", exact[i], bound[i]);
+        }
+        for isa in Isa::all_available() {
+            prop_assert_eq!(&exact_product(isa, format, &raw, rows, cols, &x, n), &whole, "{:?}", isa);
+        }
+        // Three column ranges (some may be empty), on the fastest path.
+        let (a, b) = (cuts.0.min(cb), cuts.1.min(cb));
+        let (a, b) = (a.min(b), a.max(b));
+        let mut sum = vec![0i64; n * rows];
+        for blocks in [b..cb, 0..a, a..b] {
+            if blocks.is_empty() {
+                continue;
+            }
+            let part = column_shard(format, &raw, cb, blocks.clone());
+            let xcols = blocks.len() * QK;
+            let xp: Vec<f32> = x.chunks_exact(cols)
+                .flat_map(|r| &r[blocks.start * QK..blocks.end * QK])
+                .copied()
+                .collect();
+            let partial = exact_product(Isa::detect(), format, &part, rows, xcols, &xp, n);
+            exact::add(&mut sum, &partial);
+        }
+        prop_assert_eq!(sum, whole);
+    }
+}
+
+#[test]
+fn fixed_point_rounds_to_even_and_saturates() {
+    assert_eq!(exact::fixed(2.5), 2);
+    assert_eq!(exact::fixed(3.5), 4);
+    assert_eq!(exact::fixed(-2.5), -2);
+    assert_eq!(exact::fixed(-0.75), -1);
+    let limit = 1i64 << 51;
+    assert_eq!(exact::fixed(exact::TERM_LIMIT), limit);
+    assert_eq!(exact::fixed(1e30), limit);
+    assert_eq!(exact::fixed(f32::NEG_INFINITY), -limit);
+    assert_eq!(
+        exact::fixed(f32::NAN),
+        -limit,
+        "a NaN takes the lower bound"
+    );
+    for v in [1.0f32, -0.1, 3.25e-3, 1234.5678] {
+        let back = exact::to_f32(exact::fixed(v * exact::SCALE));
+        assert!(
+            (back - v).abs() <= 2f32.powi(-33) + v.abs() * f32::EPSILON,
+            "{v} came back as {back}"
+        );
+    }
+    let mut acc = [i64::MAX, 1];
+    exact::add(&mut acc, &[1, 2]);
+    assert_eq!(acc, [i64::MIN, 3], "adds wrap, never panic");
+}
+
+/// Terms past the limit saturate at it on every path, and a row wider than the
+/// sums can hold is refused.
+#[test]
+fn exact_products_saturate_huge_terms_and_refuse_too_many() {
+    // The largest f16 scale and quants times activations of 60,000: each block's
+    // term is about 1.6e13, past 2^19.
+    let (rows, cols, nb) = (3, 4 * QK, 4);
+    let mut raw = Vec::new();
+    for _ in 0..rows * nb {
+        raw.extend_from_slice(&f16::MAX.to_le_bytes());
+        raw.extend_from_slice(&[127u8; QK]);
+    }
+    let x = vec![60_000f32; 2 * cols];
+    for isa in Isa::all_available() {
+        let out = exact_product(isa, WeightFormat::Q8_0, &raw, rows, cols, &x, 2);
+        assert_eq!(out, vec![4 * (1i64 << 51); 2 * rows], "{isa:?}");
+        let neg: Vec<f32> = x.iter().map(|v| -v).collect();
+        let out = exact_product(isa, WeightFormat::Q8_0, &raw, rows, cols, &neg, 2);
+        assert_eq!(out, vec![-4 * (1i64 << 51); 2 * rows], "{isa:?}");
+    }
+    let wide = (exact::MAX_TERMS + 1) * QK;
+    let raw = random_blocks(WeightFormat::Q4_1, 1, wide, &[9, 8, 7]);
+    let m = PackedMatrix::pack(
+        wide,
+        &[RowSource {
+            format: WeightFormat::Q4_1,
+            rows: 1,
+            data: &raw,
+        }],
+    )
+    .unwrap();
+    let mut acts = QuantActs::default();
+    acts.quantize(&vec![0.5; wide], 1, wide).unwrap();
+    let err = matmul_exact(Isa::Scalar, &m, &acts, &mut [0i64; 1]).unwrap_err();
+    assert!(matches!(err, KernelError::Unsupported(_)), "{err}");
+}
+
 #[test]
 fn quantized_activations_follow_ggml() {
     let x: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
