@@ -260,6 +260,11 @@ pub struct BenchArgs {
     /// --pipeline-parallel`), run as `--tensor-parallel` says.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pipeline_parallel: usize,
+    /// Sum the attention output and MLP down products of a single process exactly,
+    /// as a tensor group always does (`CpuBackend::set_exact_sums`), to measure what
+    /// that costs.
+    #[arg(long)]
+    exact_sums: bool,
 }
 
 /// Runs `bench`, printing one JSON object with tokens/s and the work per token
@@ -283,6 +288,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     let (report, (macs, weight_bytes)) = if args.tensor_parallel * args.pipeline_parallel == 1 {
         let m = load(&args.runner)?;
         let mut runner = backend(&m.weights, args.runner.threads, blocks * block_size, 1)?;
+        runner.set_exact_sums(args.exact_sums);
         let report = model_bench::run(&mut runner, &config, &[])?;
         (report, work_per_token(&m.file)?)
     } else {

@@ -2,26 +2,20 @@
 //! (its 9 query and 3 KV heads: three and one per rank) and `tensor: 3 × pipeline:
 //! 2`, ranks as threads over loopback TCP, against the single process.
 //!
-//! What to expect: each rank sums a third of every attention output and MLP down
-//! product and the all-reduce adds the thirds, so each layer's output differs from
-//! the single process's by float summation order (about 1e-7 relative). The kernels
-//! quantise every product's input activations to int8, though, so such a difference
-//! moves an element across a rounding boundary now and then, and that step (1/254 of
-//! its block's largest value) is the noise that then travels through 30 layers: the
-//! logits differ by about as much as two int8 quantisations of the same model do,
-//! not by float rounding. Measured over the oracle conversations (1004 positions):
-//! max |Δlogit| 2.18 and mean 0.18, for tensor 3 and for tensor 3 × pipeline 2
-//! alike (the pipeline split adds no arithmetic); the top-1 differs at 26 positions,
-//! all near ties where the single process's top two are within 0.25 of each other,
-//! and the oracle's agreement stays at 350 of 363 usable positions, 220 of 220 where
-//! llama.cpp is confident. So the tests require the same
-//! top-1 wherever the single process leads by at least [`CONFIDENT`] (the margin the
-//! llama.cpp oracle bar uses), the oracle's own bar through the group, and max
-//! |Δlogit| within [`TOLERANCE`]. That the shards are wired right is shown apart, on
-//! a small model of f32 weights, whose products quantise nothing: there tensor 3
-//! differs from one process by float rounding (measured 2.7e-5). Batched against solo runs through the same group
-//! are compared bit for bit: a token's arithmetic does not depend on its batch.
-//! Failures are asserted by whom they blame; timeouts only bound a broken build.
+//! What to expect: the same bits. Each rank computes a third of every attention
+//! output and MLP down product, and the all-reduce adds the thirds. Summed in f32,
+//! that changed the summation order, and the next product's int8 re-quantisation
+//! amplified the 1e-7 differences to a max |Δlogit| of 2.18 over the oracle
+//! conversations (26 of 1004 positions with another top-1). Those products now sum
+//! each block's term in fixed point ([`slipway_engine::kernels::exact`]), which is
+//! associative, and the single process does the same when asked
+//! (`CpuBackend::set_exact_sums`), so the tests require every logit of every
+//! position to equal the single process's bit for bit (hence the same top-1
+//! everywhere), and the oracle's bar through the group. A small model of f32
+//! weights shows the same for float products (one term per product). Batched
+//! against solo runs through the same group are compared bit for bit: a token's
+//! arithmetic does not depend on its batch. Failures are asserted by whom they
+//! blame; timeouts only bound a broken build.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -46,51 +40,39 @@ mod parallel;
 
 use parallel::*;
 
-/// Max |Δlogit| allowed against the single process: the measured 2.18 (see the
-/// module docs) with a margin. Logits of SmolLM2 span about ±40.
-const TOLERANCE: f32 = 3.0;
-
-/// A single-process top-1 that leads its runner-up by this much must survive the
-/// split.
-const CONFIDENT: f32 = 1.0;
-
 /// Teacher-forced logits of every oracle conversation through a `tensor ×
-/// pipeline` group, against the single process; then the oracle's bar through the
-/// group. Returns the largest |Δlogit|.
-fn teacher_forced_against_single(tensor: usize, pipeline: usize) -> f32 {
+/// pipeline` group, against the single process with exact sums: the same top-1 at
+/// every position and the same bits in every logit. Then the oracle's bar through
+/// the group.
+fn teacher_forced_against_single(tensor: usize, pipeline: usize) {
     let want = {
-        let mut whole = single();
+        let mut whole = single_exact();
         teacher_forced_logits(&mut *whole, &mut BlockAllocator::new(BLOCKS))
     };
     let (mut runner, workers) = group(tensor, pipeline);
     let got = teacher_forced_logits(&mut runner, &mut BlockAllocator::new(BLOCKS));
-    let (mut positions, mut flips, mut max, mut sum) = (0, 0, 0f32, 0f64);
+    let (mut positions, mut max) = (0, 0f32);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         max = max.max(max_delta(g, w));
-        sum += g
-            .data
-            .iter()
-            .zip(&w.data)
-            .map(|(a, b)| f64::from((a - b).abs()))
-            .sum::<f64>();
         for (r, (a, b)) in g.rows_of(0).zip(w.rows_of(0)).enumerate() {
-            let (top, want_top) = (argmax(a), argmax(b));
             positions += 1;
-            if top != want_top {
-                flips += 1;
-                let margin = b[want_top] - b[top];
-                assert!(
-                    margin < CONFIDENT,
-                    "conversation {i} position {r}: top-1 {top} instead of {want_top}, which \
-leads it by {margin} in the single process"
-                );
-            }
+            assert_eq!(
+                argmax(a),
+                argmax(b),
+                "conversation {i} position {r}: another top-1 than the single process's"
+            );
+            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(
+                differ.count(),
+                0,
+                "conversation {i} position {r}: logits differ from the single process's \
+(max |Δlogit| so far {max})"
+            );
         }
     }
-    let mean = sum / got.iter().map(|l| l.data.len()).sum::<usize>() as f64;
     println!(
-        "tensor {tensor} × pipeline {pipeline}: {positions} positions, top-1 differs at \
-{flips} (all near ties), max |Δlogit| = {max}, mean {mean:.4}"
+        "tensor {tensor} × pipeline {pipeline}: {positions} positions, the same top-1 at \
+every one, max |Δlogit| = {max} (the same bits)"
     );
     let oracle = oracle();
     let tokenizer = Tokenizer::from_metadata(file().metadata()).expect("tokenizer");
@@ -102,11 +84,11 @@ leads it by {margin} in the single process"
         |tokens| score(&mut runner, &mut alloc, tokens, 1).expect("score"),
     );
     finish(runner, workers);
-    max
 }
 
 /// A two-layer llama of random f32 weights (6 query heads, 3 KV heads, 96 MLP
-/// columns): its products run in f32, with no activation quantisation.
+/// columns): its products run in f32, with no activation quantisation, and its
+/// shards' columns do not fall on 32-column blocks.
 fn float_model() -> &'static GgufFile {
     static F: OnceLock<GgufFile> = OnceLock::new();
     F.get_or_init(|| {
@@ -153,14 +135,14 @@ fn float_model() -> &'static GgufFile {
     })
 }
 
-/// Without int8 activations, the split changes float summation order only: the
-/// logits agree to float rounding. This is what shows the real model's larger
-/// differences are its quantisation's, not a mis-wired shard.
+/// Float products sum one term per product, so their shards may split anywhere:
+/// the logits are the single process's bits too.
 #[test]
-fn a_float_model_split_over_tensor_3_differs_by_float_rounding_only() {
+fn a_float_model_split_over_tensor_3_matches_one_process_bit_for_bit() {
     let model = float_model();
     let weights = LlamaWeights::from_gguf(model).expect("weights");
     let mut whole = CpuBackend::new(Arc::new(weights), &cpu_config()).expect("backend");
+    whole.set_exact_sums(true);
     let tokens: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 64).collect();
     let table: Vec<u32> = (0..3).collect();
     let steps = [
@@ -172,27 +154,28 @@ fn a_float_model_split_over_tensor_3_differs_by_float_rounding_only() {
         },
     ];
     let (mut runner, workers) = group_of(model, (3, 1), LONG, |t| t, |t| t);
-    let mut max = 0f32;
     for batch in &steps {
         let want = whole.forward(batch).expect("single process");
         let got = runner.forward(batch).expect("tensor 3");
-        max = max.max(max_delta(&got, &want));
+        let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(got.spans, want.spans);
+        assert!(
+            bits(&got.data) == bits(&want.data),
+            "float model, tensor 3: max |Δlogit| {} against one process",
+            max_delta(&got, &want)
+        );
     }
-    println!("float model, tensor 3 vs one process: max |Δlogit| = {max}");
-    assert!(max < 1e-4, "max |Δlogit| {max}: more than float rounding");
     finish(runner, workers);
 }
 
 #[test]
 fn tensor_3_teacher_forced_logits_match_the_single_process() {
-    let max = teacher_forced_against_single(3, 1);
-    assert!(max <= TOLERANCE, "max |Δlogit| {max} over {TOLERANCE}");
+    teacher_forced_against_single(3, 1);
 }
 
 #[test]
 fn tensor_3_pipeline_2_teacher_forced_logits_match_the_single_process() {
-    let max = teacher_forced_against_single(3, 2);
-    assert!(max <= TOLERANCE, "max |Δlogit| {max} over {TOLERANCE}");
+    teacher_forced_against_single(3, 2);
 }
 
 #[test]
@@ -245,8 +228,9 @@ fn a_decode_step_of_16_streams_all_reduces_twice_per_layer() {
         .map(|(c, b)| c.load(Ordering::Relaxed) - b)
         .collect();
     // One all-reduce after attention and one after the MLP, per layer, of 16 rows of
-    // 576 floats: each worker sends its partial sums, the leader the two totals.
-    let reduce = (30 * 2 * streams * 576 * 4) as u64;
+    // 576 exact sums (i64): each worker sends its partial sums, the leader the two
+    // totals.
+    let reduce = (30 * 2 * streams * 576 * 8) as u64;
     println!(
         "tensor 3, decode step of {streams} streams, payload bytes sent: rank 0 {} \
 ({} of all-reduce, {} of step description to 2 ranks), rank 1 {}, rank 2 {}",

@@ -29,6 +29,18 @@
 //! ([`crate::model::llama::TensorShard`]); the same loop then runs attention over
 //! its heads only and hands the output and down projections' partial products to
 //! the caller's all-reduce before each residual add.
+//!
+//! Exact sums ([`crate::kernels::exact`], issue #15): a shard computes those two
+//! row-parallel products in fixed point, so that the all-reduce's integer sum is
+//! bit for bit what one process computes with [`CpuBackend::set_exact_sums`]; summed
+//! in f32, the split's other summation order reached a max |Δlogit| of 2.18 on
+//! SmolLM2-135M, through the next layers' int8 re-quantisation. A whole model and a
+//! pipeline stage without shards sum in f32 unless switched, because exact sums cost
+//! the single process about 7 % of prompt processing (two threads, SmolLM2-135M
+//! Q4_1, pp512 331 → 292 tok/s paired medians, tg128 85 → 77, aggregate decode of 16
+//! 152 → 141): more than the 3 % that would make them the default. A pipeline
+//! without tensor split stays the single process's bits either way, since its
+//! stages run the same arithmetic as one process.
 
 use std::sync::Arc;
 
@@ -36,7 +48,7 @@ use rayon::prelude::*;
 
 use super::{BackendError, Batch, KvGeometry, Logits, ModelRunner, Segment};
 use crate::kernels::attention::{AttnScratch, AttnTile, KvLayout, QUERY_TILE, attend};
-use crate::kernels::{Isa, QuantActs, ops};
+use crate::kernels::{Isa, QuantActs, exact, ops};
 use crate::kv::KvCache;
 use crate::model::llama::{Linear, LlamaConfig, LlamaWeights, ModelPart, OutputHead};
 use crate::model::lora::{self, LoraAdapter, Projection};
@@ -104,9 +116,10 @@ pub enum StageInput<'a> {
     Hidden(&'a mut Vec<f32>),
 }
 
-/// Completes a tensor shard's partial products: replaces the buffer with its sum over
-/// the stage's tensor ranks ([`CpuBackend::forward_shard`]).
-pub type AllReduce<'a> = &'a mut (dyn FnMut(&mut [f32]) -> Result<(), BackendError> + Send);
+/// Completes a tensor shard's partial products: replaces the buffer, exact
+/// fixed-point sums ([`crate::kernels::exact`]), with its element-wise sum over the
+/// stage's tensor ranks ([`CpuBackend::forward_shard`]).
+pub type AllReduce<'a> = &'a mut (dyn FnMut(&mut [i64]) -> Result<(), BackendError> + Send);
 
 /// What a pipeline step produced.
 #[derive(Debug)]
@@ -125,6 +138,8 @@ struct Scratch {
     attn: Vec<f32>,
     attn_tiles: Vec<f32>,
     proj: Vec<f32>,
+    /// A row-parallel product's exact sums, before the all-reduce.
+    fixed: Vec<i64>,
     gate_up: Vec<f32>,
     ffn: Vec<f32>,
     acts: QuantActs,
@@ -138,6 +153,7 @@ pub struct CpuBackend {
     isa: Isa,
     scratch: Scratch,
     adapters: Vec<Arc<LoraAdapter>>,
+    exact_sums: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -189,6 +205,7 @@ impl CpuBackend {
             isa,
             scratch: Scratch::default(),
             adapters: Vec::new(),
+            exact_sums: false,
         })
     }
 
@@ -291,6 +308,16 @@ impl CpuBackend {
         self.isa = isa;
     }
 
+    /// Sums the row-parallel products exactly ([`crate::kernels::exact`]) on a whole
+    /// model or a pipeline stage too, as a tensor shard always does: its logits are
+    /// then bit for bit those of any tensor split of the same model (what
+    /// `tests/tensor_parallel.rs` compares against). Off by default, because it
+    /// costs about 7 % of prompt processing (see the module docs); `slipway-engine
+    /// bench --exact-sums` measures it.
+    pub fn set_exact_sums(&mut self, exact: bool) {
+        self.exact_sums = exact;
+    }
+
     /// Checks `batch` against this backend's vocabulary, KV store and adapters.
     pub(crate) fn validate(&self, batch: &Batch) -> Result<(), BackendError> {
         super::validate_batch(
@@ -342,6 +369,31 @@ impl CpuBackend {
             }
             r0 += p.rows();
         }
+        Ok(())
+    }
+
+    /// A row-parallel product (attention output, MLP down) into `out`: given an
+    /// all-reduce, with exact sums, in fixed point through it (it completes a shard's
+    /// partial sums; a no-op on whole layers), then f32; else in f32 directly, which
+    /// only a backend without a shard does. LoRA adapters, refused on shards, are
+    /// added by the caller after the sum.
+    fn row_parallel(
+        isa: Isa,
+        layer: &Linear,
+        x: &[f32],
+        n: usize,
+        (acts, fixed): (&mut QuantActs, &mut Vec<i64>),
+        out: &mut Vec<f32>,
+        all_reduce: Option<AllReduce<'_>>,
+    ) -> Result<(), BackendError> {
+        let Some(all_reduce) = all_reduce else {
+            return Self::run_linear(isa, std::slice::from_ref(layer), x, n, acts, out);
+        };
+        fixed.resize(n * layer.rows(), 0);
+        out.resize(n * layer.rows(), 0.0);
+        layer.forward_exact(isa, x, n, acts, fixed)?;
+        all_reduce(fixed)?;
+        exact::to_f32_slice(fixed, out);
         Ok(())
     }
 
@@ -405,6 +457,9 @@ tokens of width {dim}{}",
         let c = &w.config;
         let first_layer = w.part.layers.start;
         let isa = self.isa;
+        // A shard's partial sums must be exact for the all-reduce to complete them
+        // to the single process's bits.
+        let exact = self.exact_sums || w.part.shard.is_some();
         let shard = w.part.shard_of(c);
         let (dim, hd) = (c.dim, c.head_dim);
         // This backend's query width, KV width and MLP width: the whole model's
@@ -506,13 +561,15 @@ tokens of width {dim}{}",
             for (at, src) in rows.zip(sc.attn_tiles.chunks_exact(width)) {
                 sc.attn[at..at + width].copy_from_slice(src);
             }
-            Self::run_linear(
+            // A shard's product is a partial sum over its heads.
+            Self::row_parallel(
                 isa,
-                std::slice::from_ref(&layer.wo),
+                &layer.wo,
                 &sc.attn,
                 n,
-                &mut sc.acts,
+                (&mut sc.acts, &mut sc.fixed),
                 &mut sc.proj,
+                exact.then_some(&mut *all_reduce),
             )?;
             Self::add_lora(
                 adapters,
@@ -521,8 +578,6 @@ tokens of width {dim}{}",
                 (&sc.attn, qd),
                 (&mut sc.proj, dim),
             );
-            // A shard's product is a partial sum over its heads.
-            all_reduce(&mut sc.proj)?;
             ops::add_in_place(&mut sc.x, &sc.proj);
             ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
             Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.gate_up)?;
@@ -534,13 +589,15 @@ tokens of width {dim}{}",
                 (&mut sc.gate_up, 2 * ffn),
             );
             ops::swiglu(&sc.gate_up, ffn, &mut sc.ffn);
-            Self::run_linear(
+            // A shard's product is a partial sum over its MLP columns.
+            Self::row_parallel(
                 isa,
-                std::slice::from_ref(&layer.down),
+                &layer.down,
                 &sc.ffn,
                 n,
-                &mut sc.acts,
+                (&mut sc.acts, &mut sc.fixed),
                 &mut sc.proj,
+                exact.then_some(&mut *all_reduce),
             )?;
             Self::add_lora(
                 adapters,
@@ -549,8 +606,6 @@ tokens of width {dim}{}",
                 (&sc.ffn, ffn),
                 (&mut sc.proj, dim),
             );
-            // A shard's product is a partial sum over its MLP columns.
-            all_reduce(&mut sc.proj)?;
             ops::add_in_place(&mut sc.x, &sc.proj);
         }
         Ok(())

@@ -227,6 +227,54 @@ impl Linear {
             }
         }
     }
+
+    /// [`Linear::forward`] with exact sums ([`kernels::exact`]): `out[t]` is `W x[t]`
+    /// in fixed point, the same bits for any split of the input columns once the
+    /// parts' outputs are added. Block-quantized weights sum one term per block, as
+    /// the integer kernels do; float weights one term per product `w · x` (rounded to
+    /// f32), so their columns may split anywhere.
+    ///
+    /// # Errors
+    /// Shape mismatches from the kernels; [`KernelError::Unsupported`] for more
+    /// terms than [`kernels::exact::MAX_TERMS`] per row.
+    pub fn forward_exact(
+        &self,
+        isa: kernels::Isa,
+        x: &[f32],
+        n: usize,
+        acts: &mut QuantActs,
+        out: &mut [i64],
+    ) -> Result<(), KernelError> {
+        use kernels::exact;
+        match self {
+            Self::Packed(m) => {
+                acts.quantize(x, n, m.cols())?;
+                kernels::matmul_exact(isa, m, acts, out)
+            }
+            Self::Dense { rows, cols, w } => {
+                if x.len() != n * cols || out.len() != n * rows {
+                    return Err(KernelError::Shape(format!(
+                        "dense {rows}×{cols} on {} inputs",
+                        x.len()
+                    )));
+                }
+                if *cols > exact::MAX_TERMS {
+                    return Err(KernelError::Unsupported(format!(
+                        "exact sums over {cols} float columns (at most {})",
+                        exact::MAX_TERMS
+                    )));
+                }
+                for (xr, or) in x.chunks_exact(*cols).zip(out.chunks_exact_mut(*rows)) {
+                    for (o, wr) in or.iter_mut().zip(w.chunks_exact(*cols)) {
+                        *o = wr.iter().zip(xr).fold(0i64, |acc, (a, b)| {
+                            acc.wrapping_add(exact::fixed(a * b * exact::SCALE))
+                        });
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// The token embedding table, kept in its file encoding and dequantized per lookup.

@@ -55,8 +55,8 @@ pub fn start<L, W>(
     wrap: impl Fn(TcpTransport) -> W + Send + Clone + 'static,
 ) -> Result<(PipelineRunner<L>, Vec<Worker>), PipelineError>
 where
-    L: Transport<Tensor = [f32]> + Send,
-    W: Transport<Tensor = [f32]> + Send,
+    L: Transport<Tensor = [f32], SumTensor = [i64]> + Send,
+    W: Transport<Tensor = [f32], SumTensor = [i64]> + Send,
 {
     let world = layout.world_size();
     let listener = TcpListener::bind("127.0.0.1:0")
@@ -97,7 +97,7 @@ where
 ///
 /// # Errors
 /// The leader's stop, or the first worker that failed or panicked (by rank).
-pub fn finish<T: Transport<Tensor = [f32]> + Send>(
+pub fn finish<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send>(
     mut runner: PipelineRunner<T>,
     workers: Vec<Worker>,
 ) -> Result<(), String> {
@@ -132,6 +132,7 @@ impl Counting {
 
 impl Transport for Counting {
     type Tensor = [f32];
+    type SumTensor = [i64];
 
     fn rank(&self) -> usize {
         self.inner.rank()
@@ -186,7 +187,7 @@ impl Transport for Counting {
         &mut self,
         ranks: &[usize],
         step: u64,
-        buf: &mut [f32],
+        buf: &mut [i64],
     ) -> Result<(), TransportError> {
         // The TCP all-reduce gathers on the set's first rank, which sends the sum back
         // to each of the others.

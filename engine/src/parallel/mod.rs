@@ -23,8 +23,11 @@
 //!   part of stage 0 and driving the others, with keep-alives while idle so waiting
 //!   workers can tell an idle leader from a dead one; [`run_worker`] is a worker
 //!   rank's loop. Pipeline logits are bit-identical to the single process's
-//!   (`tests/pipeline_parallel.rs`); tensor-parallel ones differ by summation order
-//!   only (`tests/tensor_parallel.rs` states the tolerance).
+//!   (`tests/pipeline_parallel.rs`), and so are tensor-parallel ones: the
+//!   row-parallel products sum in exact fixed point ([`crate::kernels::exact`]) and
+//!   the all-reduce adds those integers, so the split changes no bit; the single
+//!   process computes the same with `CpuBackend::set_exact_sums`
+//!   (`tests/tensor_parallel.rs`).
 //! - [`loopback`]: a whole group as threads of one process over loopback TCP, and a
 //!   transport that counts the bytes a rank sends: what `slipway-engine bench
 //!   --tensor-parallel/--pipeline-parallel` (`make bench-parallel`, table in
@@ -36,7 +39,8 @@
 //!
 //! Frame format (see `wire`): a 24-byte header (magic `SLPW`, version 1, kind u8, two
 //! zero bytes, step id u64 LE, payload length u64 LE) then the payload; tensors are
-//! raw little-endian f32. One reusable buffer per direction per link; `TCP_NODELAY`.
+//! raw little-endian f32, the all-reduce's exact sums raw little-endian i64. One
+//! reusable buffer per direction per link; `TCP_NODELAY`.
 //!
 //! Topology: every rank connects to the leader's address and says its rank; the
 //! leader sends everyone the table of listening addresses; workers connect pairwise

@@ -9,9 +9,9 @@
 //!    every other rank;
 //! 2. every tensor rank of stage 0 embeds the tokens (the embedding is replicated)
 //!    and runs its layers over its shard: per layer, attention over its own query
-//!    and KV heads and an all-reduce (sum, in rank order, among the stage's tensor
-//!    ranks) of the output projection's partial product, then its MLP columns and a
-//!    second all-reduce of the down projection's; the norms and residual adds run
+//!    and KV heads and an all-reduce (an exact integer sum among the stage's tensor
+//!    ranks, see [`crate::kernels::exact`]) of the output projection's partial
+//!    product, then its MLP columns and a second all-reduce of the down projection's; the norms and residual adds run
 //!    on every tensor rank over the same (reduced) states. Each tensor rank sends
 //!    the hidden states (`tokens × dim` f32, the same on all of them) to its peer of
 //!    stage 1, which runs its layers the same way, and so on;
@@ -201,7 +201,7 @@ impl StageRunner {
     /// Runs this rank's part of `step`: its layers over its shard, with the stage's
     /// two all-reduces per layer through `transport` when the stage has several
     /// tensor ranks.
-    fn run<'s, T: Transport<Tensor = [f32]> + Send>(
+    fn run<'s, T: Transport<Tensor = [f32], SumTensor = [i64]> + Send>(
         &'s mut self,
         transport: &mut T,
         batch: &Batch,
@@ -256,7 +256,7 @@ impl StageRunner {
 /// [`PipelineError::Transport`] naming the peer that died, went silent or aborted
 /// the group; [`PipelineError::Frame`] for a step frame that cannot be read;
 /// [`PipelineError::Step`] for a step this stage could not run.
-pub fn run_worker<T: Transport<Tensor = [f32]> + Send>(
+pub fn run_worker<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send>(
     mut transport: T,
     stage: &mut StageRunner,
 ) -> Result<(), PipelineError> {
@@ -329,7 +329,7 @@ pub fn run_worker<T: Transport<Tensor = [f32]> + Send>(
 /// LoRA adapters: a chunk's adapter id travels with the step; every rank must have
 /// loaded the same adapters in the same order.
 #[derive(Debug)]
-pub struct PipelineRunner<T: Transport<Tensor = [f32]> + Send> {
+pub struct PipelineRunner<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send> {
     stage: StageRunner,
     /// `None` once the group failed (dropping it closed the connections).
     transport: Option<T>,
@@ -347,7 +347,7 @@ pub struct PipelineRunner<T: Transport<Tensor = [f32]> + Send> {
     failure: watch::Sender<Option<String>>,
 }
 
-impl<T: Transport<Tensor = [f32]> + Send> PipelineRunner<T> {
+impl<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send> PipelineRunner<T> {
     /// The leader of a formed group: `stage` is rank 0's, `transport` rank 0's.
     ///
     /// # Errors
@@ -533,7 +533,7 @@ impl<T: Transport<Tensor = [f32]> + Send> PipelineRunner<T> {
     }
 }
 
-impl<T: Transport<Tensor = [f32]> + Send> ModelRunner for PipelineRunner<T> {
+impl<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send> ModelRunner for PipelineRunner<T> {
     fn config(&self) -> &LlamaConfig {
         self.stage.backend.config()
     }
@@ -585,7 +585,7 @@ impl<T: Transport<Tensor = [f32]> + Send> ModelRunner for PipelineRunner<T> {
     }
 }
 
-impl<T: Transport<Tensor = [f32]> + Send> Drop for PipelineRunner<T> {
+impl<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send> Drop for PipelineRunner<T> {
     fn drop(&mut self) {
         // Best effort, so the workers of a runner dropped without `stop` exit cleanly
         // rather than on a closed connection; a failed group's are closed already.

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use slipway_contract::{Backoff, GroupArgs, HostPort};
 
 use super::transport::{FrameKind, Phase, Transport, TransportError};
-use super::wire::{Link, Wire, add_f32, get_f32, io_error, put_f32};
+use super::wire::{Link, Wire, add_i64, get_f32, get_i64, io_error, put_f32, put_i64};
 
 /// How often a rendezvous polls its listener for the next connection.
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
@@ -208,6 +208,7 @@ impl TcpTransport {
 
 impl Transport for TcpTransport {
     type Tensor = [f32];
+    type SumTensor = [i64];
 
     fn rank(&self) -> usize {
         self.rank
@@ -295,7 +296,7 @@ impl Transport for TcpTransport {
         &mut self,
         ranks: &[usize],
         step: u64,
-        buf: &mut [f32],
+        buf: &mut [i64],
     ) -> Result<(), TransportError> {
         self.run(|t| {
             let ascending = ranks.windows(2).all(|w| w[0] < w[1]);
@@ -311,7 +312,7 @@ of the group, this one included",
                 return Ok(());
             };
             if t.rank == root {
-                // Ascending order: the one order of the sum, on every step.
+                // Integer sums: any order gives the same bits; ascending is simply fixed.
                 for &peer in others {
                     let deadline = t.deadline();
                     let partial = t.link(peer)?.recv(
@@ -322,15 +323,15 @@ of the group, this one included",
                         timeout,
                         Some(bytes),
                     )?;
-                    add_f32(partial, buf);
+                    add_i64(partial, buf);
                 }
                 for &peer in others {
                     t.link(peer)?
-                        .send_with(Wire::Reduce, step, phase, timeout, |tx| put_f32(tx, buf))?;
+                        .send_with(Wire::Reduce, step, phase, timeout, |tx| put_i64(tx, buf))?;
                 }
             } else {
                 t.link(root)?
-                    .send_with(Wire::Reduce, step, phase, timeout, |tx| put_f32(tx, buf))?;
+                    .send_with(Wire::Reduce, step, phase, timeout, |tx| put_i64(tx, buf))?;
                 let deadline = t.deadline();
                 let total = t.link(root)?.recv(
                     Wire::Reduce,
@@ -340,7 +341,7 @@ of the group, this one included",
                     timeout,
                     Some(bytes),
                 )?;
-                get_f32(total, buf);
+                get_i64(total, buf);
             }
             Ok(())
         })

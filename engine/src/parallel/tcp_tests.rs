@@ -91,12 +91,29 @@ fn values(rank: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The sum every rank must get: rank order, left to right, in f32.
-fn serial_sum(ranks: &[usize], len: usize) -> Vec<f32> {
-    let mut sum = values(ranks[0], len);
-    for &r in &ranks[1..] {
-        for (s, v) in sum.iter_mut().zip(values(r, len)) {
-            *s += v;
+/// A rank's exact partial sums: its values in fixed point, with every 97th near
+/// the ends of i64 so some sums wrap.
+fn partials(rank: usize, len: usize) -> Vec<i64> {
+    values(rank, len)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let fixed = (f64::from(v) * 2f64.powi(32)) as i64;
+            if i % 97 == 0 {
+                i64::MAX - fixed.abs()
+            } else {
+                fixed
+            }
+        })
+        .collect()
+}
+
+/// The sum every rank must get: the partials' wrapping sum (any order).
+fn serial_sum(ranks: &[usize], len: usize) -> Vec<i64> {
+    let mut sum = vec![0i64; len];
+    for &r in ranks.iter().rev() {
+        for (s, v) in sum.iter_mut().zip(partials(r, len)) {
+            *s = s.wrapping_add(v);
         }
     }
     sum
@@ -174,29 +191,25 @@ fn all_reduce_of_three_ranks_equals_the_serial_sum_on_every_rank() {
         let mut sums = Vec::new();
         // Several steps and sizes over the same links, then a subset without rank 0.
         for (step, len) in [(1u64, 576usize), (2, 1), (3, 100_003)] {
-            let mut buf = values(me, len);
+            let mut buf = partials(me, len);
             t.all_reduce_sum(&[0, 1, 2], step, &mut buf)
                 .expect("all-reduce");
-            sums.push(bits(&buf));
+            sums.push(buf);
         }
         if me != 0 {
-            let mut buf = values(me, 64);
+            let mut buf = partials(me, 64);
             t.all_reduce_sum(&[1, 2], 4, &mut buf)
                 .expect("subset all-reduce");
-            sums.push(bits(&buf));
+            sums.push(buf);
         }
         sums
     });
     for (rank, sums) in results.iter().enumerate() {
-        assert_eq!(sums[0], bits(&serial_sum(&[0, 1, 2], 576)), "rank {rank}");
-        assert_eq!(sums[1], bits(&serial_sum(&[0, 1, 2], 1)), "rank {rank}");
-        assert_eq!(
-            sums[2],
-            bits(&serial_sum(&[0, 1, 2], 100_003)),
-            "rank {rank}"
-        );
+        assert_eq!(sums[0], serial_sum(&[0, 1, 2], 576), "rank {rank}");
+        assert_eq!(sums[1], serial_sum(&[0, 1, 2], 1), "rank {rank}");
+        assert_eq!(sums[2], serial_sum(&[0, 1, 2], 100_003), "rank {rank}");
         if rank != 0 {
-            assert_eq!(sums[3], bits(&serial_sum(&[1, 2], 64)), "rank {rank}");
+            assert_eq!(sums[3], serial_sum(&[1, 2], 64), "rank {rank}");
         }
     }
 }
@@ -206,7 +219,7 @@ fn misuse_fails_the_transport_for_good() {
     let results = run_group(2, &[0, 1], long, |t| {
         let mut t = joined(t);
         let me = t.rank();
-        let mut buf = [1.0f32];
+        let mut buf = [1i64];
         let unordered = t.all_reduce_sum(&[1, 0], 1, &mut buf).err();
         let to_self = t.send_bytes(me, 1, FrameKind::Batch, b"x").err();
         (unordered, to_self)
@@ -267,7 +280,7 @@ fn a_worker_without_a_leader_fails_naming_the_leader() {
 fn a_peer_that_closes_mid_step_fails_the_others_naming_it() {
     let results = run_group(3, &[0, 1, 2], long, |t| {
         let mut t = joined(t);
-        let mut buf = values(t.rank(), 32);
+        let mut buf = partials(t.rank(), 32);
         t.all_reduce_sum(&[0, 1, 2], 1, &mut buf).expect("step 1");
         if t.rank() == 2 {
             // Rank 2 dies between steps: its sockets close.
@@ -307,7 +320,7 @@ fn a_silent_peer_fails_the_others_within_the_step_timeout_naming_it() {
         let error = match t.rank() {
             // Rank 2 is alive but never takes part: a stuck process.
             0 => Some(
-                t.all_reduce_sum(&[0, 2], 1, &mut [1.0f32; 8])
+                t.all_reduce_sum(&[0, 2], 1, &mut [1i64; 8])
                     .expect_err("rank 2 is silent"),
             ),
             // Waits for the leader's step, which never comes: the leader's abort says why.
@@ -420,15 +433,15 @@ fn join_listens_on_the_leader_address_port() {
         let config = config(1, 2, &leader, LONG, LONG);
         thread::spawn(move || {
             let mut t = joined(TcpTransport::join(&config));
-            let mut buf = [2.0f32];
+            let mut buf = [2i64];
             t.all_reduce_sum(&[0, 1], 1, &mut buf).map(|()| buf[0])
         })
     };
     let mut t = joined(TcpTransport::join(&config(0, 2, &leader, LONG, LONG)));
-    let mut buf = [1.0f32];
+    let mut buf = [1i64];
     t.all_reduce_sum(&[0, 1], 1, &mut buf).expect("all-reduce");
-    assert_eq!(buf[0], 3.0);
-    assert_eq!(worker.join().expect("rank 1's thread"), Ok(3.0));
+    assert_eq!(buf[0], 3);
+    assert_eq!(worker.join().expect("rank 1's thread"), Ok(3));
 }
 
 #[test]
@@ -510,7 +523,7 @@ fn child_rank() {
     let mut t = joined(TcpTransport::join(&config(
         rank, world, &leader, LONG, LONG,
     )));
-    let mut buf = values(rank, 4096);
+    let mut buf = partials(rank, 4096);
     t.all_reduce_sum(&(0..world).collect::<Vec<_>>(), 1, &mut buf)
         .expect("step 1");
     // Park until killed (or the parent goes away and stdin closes).
@@ -525,9 +538,9 @@ fn a_rank_in_another_process_joins_reduces_and_its_death_fails_the_group() {
         let config = config(1, 3, &leader, LONG, LONG);
         thread::spawn(move || {
             let mut t = joined(TcpTransport::join(&config));
-            let mut buf = values(1, 4096);
+            let mut buf = partials(1, 4096);
             t.all_reduce_sum(&[0, 1, 2], 1, &mut buf).expect("step 1");
-            let step1 = bits(&buf);
+            let step1 = buf.clone();
             let error = t
                 .all_reduce_sum(&[0, 1, 2], 2, &mut buf)
                 .expect_err("step 2");
@@ -538,13 +551,13 @@ fn a_rank_in_another_process_joins_reduces_and_its_death_fails_the_group() {
         &listener,
         &config(0, 3, &leader, LONG, LONG),
     ));
-    let mut buf = values(0, 4096);
+    let mut buf = partials(0, 4096);
     t.all_reduce_sum(&[0, 1, 2], 1, &mut buf)
         .expect("step 1 with the child");
-    assert_eq!(bits(&buf), bits(&serial_sum(&[0, 1, 2], 4096)));
+    assert_eq!(buf, serial_sum(&[0, 1, 2], 4096));
     // Step 2 starts; rank 2's process is killed while the others wait on it.
     let step2 = thread::spawn(move || {
-        let mut buf = values(0, 4096);
+        let mut buf = partials(0, 4096);
         t.all_reduce_sum(&[0, 1, 2], 2, &mut buf)
             .expect_err("rank 2 is dead")
     });
@@ -555,6 +568,6 @@ fn a_rank_in_another_process_joins_reduces_and_its_death_fails_the_group() {
         "rank 0: {root}"
     );
     let (worker_step1, worker) = worker.join().expect("rank 1's thread");
-    assert_eq!(worker_step1, bits(&serial_sum(&[0, 1, 2], 4096)));
+    assert_eq!(worker_step1, serial_sum(&[0, 1, 2], 4096));
     assert_eq!(worker.blamed(), [2], "rank 1: {worker}");
 }

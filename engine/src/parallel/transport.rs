@@ -2,8 +2,15 @@
 //! step description, hidden states between stages, logits to the leader) and the
 //! all-reduce of tensor parallelism. [`super::tcp::TcpTransport`] implements it over
 //! TCP for the CPU backend; NCCL can implement it for CUDA, its tensors being device
-//! buffers ([`Transport::Tensor`]) and its byte frames going over the same TCP links
-//! it needs anyway to exchange its unique id at rendezvous.
+//! buffers ([`Transport::Tensor`], [`Transport::SumTensor`]) and its byte frames
+//! going over the same TCP links it needs anyway to exchange its unique id at
+//! rendezvous.
+//!
+//! The all-reduce sums 64-bit integers: the exact fixed-point partial sums of the
+//! row-parallel products ([`crate::kernels::exact`]). Integer sums do not depend on
+//! their order, so every rank, and the single process, ends with the same bits
+//! whatever order the transport adds in (NCCL's ring included: `ncclInt64`,
+//! `ncclSum`).
 //!
 //! Every call names the step it belongs to, and every receive names the step and kind
 //! it expects: a frame of another step or kind is a protocol error naming the sender,
@@ -142,6 +149,10 @@ pub trait Transport {
     /// for NCCL.
     type Tensor: ?Sized;
 
+    /// What the all-reduce sums: fixed-point `[i64]` in host memory for TCP, an
+    /// int64 device buffer for NCCL.
+    type SumTensor: ?Sized;
+
     /// This rank.
     fn rank(&self) -> usize;
 
@@ -199,8 +210,9 @@ pub trait Transport {
     ) -> Result<(), TransportError>;
 
     /// Replaces `buf` on every rank of `ranks` (ascending, this rank included) with
-    /// the element-wise sum of their `buf`s. Every rank of the set ends with the same
-    /// bits: the sum is taken in one fixed order, in rank order.
+    /// the element-wise sum of their `buf`s, wrapping on overflow (the exact sums
+    /// never reach it). Integer sums are exact, so every rank of the set ends with
+    /// the same bits in any order of addition.
     ///
     /// # Errors
     /// [`TransportError`] naming a rank of the set that is gone, silent or sent a
@@ -210,6 +222,6 @@ pub trait Transport {
         &mut self,
         ranks: &[usize],
         step: u64,
-        buf: &mut Self::Tensor,
+        buf: &mut Self::SumTensor,
     ) -> Result<(), TransportError>;
 }

@@ -11,7 +11,8 @@
 //! | 8..16  | step id, u64 little-endian                       |
 //! | 16..24 | payload length in bytes, u64 little-endian       |
 //!
-//! Tensors travel as raw little-endian f32. A link owns one buffer per direction,
+//! Tensors travel as raw little-endian f32, the all-reduce's exact sums as raw
+//! little-endian i64. A link owns one buffer per direction,
 //! grown to the largest frame seen and reused, so a step allocates nothing: a send
 //! encodes header and payload into the send buffer and writes it with one call (one
 //! segment train with `TCP_NODELAY`); a receive reads the payload into the receive
@@ -168,11 +169,30 @@ pub fn get_f32(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Adds the little-endian f32 in `bytes` (of the same size) to `out`.
-pub fn add_f32(bytes: &[u8], out: &mut [f32]) {
-    let (chunks, _) = bytes.as_chunks::<4>();
+/// Appends `data` to `out` as little-endian i64.
+pub fn put_i64(out: &mut Vec<u8>, data: &[i64]) {
+    let start = out.len();
+    out.resize(start + std::mem::size_of_val(data), 0);
+    let (chunks, _) = out[start..].as_chunks_mut::<8>();
+    for (chunk, x) in chunks.iter_mut().zip(data) {
+        *chunk = x.to_le_bytes();
+    }
+}
+
+/// Overwrites `out` with the little-endian i64 in `bytes` (of the same size).
+pub fn get_i64(bytes: &[u8], out: &mut [i64]) {
+    let (chunks, _) = bytes.as_chunks::<8>();
     for (x, chunk) in out.iter_mut().zip(chunks) {
-        *x += f32::from_le_bytes(*chunk);
+        *x = i64::from_le_bytes(*chunk);
+    }
+}
+
+/// Adds the little-endian i64 in `bytes` (of the same size) to `out`, wrapping: a
+/// peer's bytes cannot make this rank panic, and wrapping sums stay associative.
+pub fn add_i64(bytes: &[u8], out: &mut [i64]) {
+    let (chunks, _) = bytes.as_chunks::<8>();
+    for (x, chunk) in out.iter_mut().zip(chunks) {
+        *x = x.wrapping_add(i64::from_le_bytes(*chunk));
     }
 }
 
@@ -468,9 +488,21 @@ mod tests {
         get_f32(&bytes[1..], &mut back);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&back), bits(&data));
-        let mut sum = [1f32; 2];
-        add_f32(&bytes[1..9], &mut sum);
-        assert_eq!(sum.map(f32::to_bits), [2.5f32.to_bits(), 1f32.to_bits()]);
+    }
+
+    #[test]
+    fn i64_payloads_are_little_endian_and_add_wrapping() {
+        let data = [1i64, -2, i64::MAX, i64::MIN];
+        let mut bytes = vec![9u8];
+        put_i64(&mut bytes, &data);
+        assert_eq!(bytes.len(), 1 + 8 * data.len());
+        assert_eq!(bytes[9..17], (-2i64).to_le_bytes());
+        let mut back = [0i64; 4];
+        get_i64(&bytes[1..], &mut back);
+        assert_eq!(back, data);
+        let mut sum = [10i64, 10, 1, -1];
+        add_i64(&bytes[1..], &mut sum);
+        assert_eq!(sum, [11, 8, i64::MIN, i64::MAX]);
     }
 
     #[test]

@@ -50,6 +50,20 @@ pub fn single() -> MutexGuard<'static, CpuBackend> {
     .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The single process with exact sums ([`CpuBackend::set_exact_sums`]), as every
+/// tensor group computes; shared by the tests (one at a time).
+pub fn single_exact() -> MutexGuard<'static, CpuBackend> {
+    static S: OnceLock<Mutex<CpuBackend>> = OnceLock::new();
+    S.get_or_init(|| {
+        let weights = LlamaWeights::from_gguf(file()).expect("weights");
+        let mut backend = CpuBackend::new(Arc::new(weights), &cpu_config()).expect("backend");
+        backend.set_exact_sums(true);
+        Mutex::new(backend)
+    })
+    .lock()
+    .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub fn layout(tensor: usize, pipeline: usize) -> ParallelLayout {
     layout_of(file(), tensor, pipeline)
 }
@@ -81,8 +95,8 @@ pub fn group_with<L, W>(
     wrap: impl Fn(TcpTransport) -> W + Send + Clone + 'static,
 ) -> (PipelineRunner<L>, Vec<Worker>)
 where
-    L: Transport<Tensor = [f32]> + Send,
-    W: Transport<Tensor = [f32]> + Send,
+    L: Transport<Tensor = [f32], SumTensor = [i64]> + Send,
+    W: Transport<Tensor = [f32], SumTensor = [i64]> + Send,
 {
     group_of(file(), (tensor, pipeline), step_timeout, lead, wrap)
 }
@@ -96,8 +110,8 @@ pub fn group_of<L, W>(
     wrap: impl Fn(TcpTransport) -> W + Send + Clone + 'static,
 ) -> (PipelineRunner<L>, Vec<Worker>)
 where
-    L: Transport<Tensor = [f32]> + Send,
-    W: Transport<Tensor = [f32]> + Send,
+    L: Transport<Tensor = [f32], SumTensor = [i64]> + Send,
+    W: Transport<Tensor = [f32], SumTensor = [i64]> + Send,
 {
     let config = LoopbackConfig {
         cpu: cpu_config(),
@@ -119,7 +133,7 @@ pub fn group(tensor: usize, pipeline: usize) -> (PipelineRunner<TcpTransport>, V
 }
 
 /// Stops the group and checks every worker exited cleanly.
-pub fn finish<T: Transport<Tensor = [f32]> + Send>(
+pub fn finish<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send>(
     runner: PipelineRunner<T>,
     workers: Vec<Worker>,
 ) {
@@ -260,6 +274,7 @@ impl DiesMidStep {
 
 impl Transport for DiesMidStep {
     type Tensor = [f32];
+    type SumTensor = [i64];
 
     fn rank(&self) -> usize {
         self.inner.as_ref().map_or(1, Transport::rank)
@@ -319,7 +334,7 @@ impl Transport for DiesMidStep {
         &mut self,
         ranks: &[usize],
         step: u64,
-        buf: &mut [f32],
+        buf: &mut [i64],
     ) -> Result<(), TransportError> {
         self.live()?.all_reduce_sum(ranks, step, buf)
     }
