@@ -269,8 +269,8 @@ async fn a_tensor_3_by_pipeline_2_group_of_six_processes_forms_whole_answers_as_
     let _one = ONE_AT_A_TIME.lock().await;
     let c = client();
     let body = chat("Name three facts about the Moon.", 40, false);
-    // Tensor 3's greedy text may leave one process's at a near tie (int8 noise; see
-    // the tensor 3 test): here "The Moon is the only…" for "The Moon is a…". The
+    // A tensor group sums its shards' products exactly, a serving single process in
+    // f32, so their greedy texts may part at a near tie (see the tensor 3 test). The
     // pipeline split adds no arithmetic, so six processes answer exactly as three.
     let want = {
         let (leader, _workers) = group_of(3, 1, &[]);
