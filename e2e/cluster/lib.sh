@@ -36,15 +36,31 @@ select_go_toolchain() {
 
 # Cache key: the pins plus the exact dependency graph (go.sum) of every wrapper,
 # so editing a pin or re-syncing a module invalidates the cache.
+# CoreDNS is built and cached apart (coredns_bin below): neither its pin, which closes
+# pins.env after APART_MARKER, nor its wrapper module is part of this key, so pinning
+# another CoreDNS never rebuilds the control plane.
+CONTROL_PLANE_MODULES=(containerd etcd kubernetes kwok)
+APART_MARKER='# --- Built and cached apart from the control plane'
 cache_key() {
-  local sum
-  sum="$(cat "${CLUSTER_DIR}/pins.env" "${CLUSTER_DIR}"/modules/*/go.mod "${CLUSTER_DIR}"/modules/*/go.sum \
+  local sum m files=()
+  for m in "${CONTROL_PLANE_MODULES[@]}"; do files+=("${CLUSTER_DIR}/modules/${m}/go.mod"); done
+  for m in "${CONTROL_PLANE_MODULES[@]}"; do files+=("${CLUSTER_DIR}/modules/${m}/go.sum"); done
+  sum="$( { sed "/^${APART_MARKER}/,\$d" "${CLUSTER_DIR}/pins.env"; cat "${files[@]}"; } \
     | sha256sum | cut -c1-12)"
   printf 'k8s-%s_etcd-%s_kwok-%s_%s' "${K8S_VERSION}" "${ETCD_VERSION}" "${KWOK_VERSION}" "${sum}"
 }
 
 # The Makefile exports SLIPWAY_CACHE (default ~/.cache/slipway) for every cache.
 slipway_cache() { printf '%s' "${SLIPWAY_CACHE:-${HOME}/.cache/slipway}"; }
+
+# CoreDNS (the real nodes' cluster DNS), built by ./build from modules/coredns (a main
+# package importing only the plugins ./real-nodes' Corefile uses) into a directory
+# keyed by its pin and that module's files.
+coredns_bin() {
+  local sum
+  sum="$(cat "${CLUSTER_DIR}"/modules/coredns/{go.mod,go.sum,main.go} | sha256sum | cut -c1-12)"
+  printf '%s/tools/coredns-%s-%s/coredns' "$(slipway_cache)" "${COREDNS_VERSION}" "$sum"
+}
 cache_root() { printf '%s' "${SLIPWAY_K8S_CACHE:-$(slipway_cache)/k8s}"; }
 cache_dir() { printf '%s/%s' "$(cache_root)" "$(cache_key)"; }
 bin_dir() { printf '%s/bin' "$(cache_dir)"; }
@@ -66,6 +82,10 @@ CNI_BIN_DIR=/usr/lib/cni
 # creates 1,000 (2,000 addresses).
 SERVICE_CIDR=10.0.0.0/16
 KUBERNETES_SERVICE_IP=10.0.0.1
+# Cluster DNS, as kubeadm numbers it: the kube-dns Service (kube-system) holds this
+# ClusterIP, and a CoreDNS inside each real node answers on it (./real-nodes).
+CLUSTER_DNS_IP=10.0.0.10
+CLUSTER_DOMAIN=cluster.local
 
 # Where `up` keeps a cluster: kwokctl's work dir (pids/, logs/, etcd data, pki,
 # kubeconfig). Outside the repository, one directory per cluster name.

@@ -32,10 +32,28 @@ pub async fn node_processes_listen_only_inside_their_namespace(
         .context("the kubernetes Service has no ClusterIP")?
         .parse()
         .context("the kubernetes Service's ClusterIP")?;
+    // And the cluster DNS: the kube-dns Service's ClusterIP, which each node binds on its
+    // loopback for its CoreDNS.
+    let dns_ip: IpAddr =
+        kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(admin.clone(), "kube-system")
+            .get("kube-dns")
+            .await
+            .context("reading the kube-dns Service")?
+            .spec
+            .and_then(|spec| spec.cluster_ip)
+            .context("the kube-dns Service has no ClusterIP")?
+            .parse()
+            .context("the kube-dns Service's ClusterIP")?;
     for node in env.cluster.real_nodes(&admin).await? {
         let processes = node.processes()?;
         let names: Vec<&str> = processes.iter().map(|(n, _)| n.as_str()).collect();
-        for want in ["kubelet", "containerd", "apiserver-proxy", "service-proxy"] {
+        for want in [
+            "kubelet",
+            "containerd",
+            "apiserver-proxy",
+            "service-proxy",
+            "coredns",
+        ] {
             ensure!(
                 names.contains(&want),
                 "{} runs no {want} (pid files: {names:?})",
@@ -52,11 +70,12 @@ pub async fn node_processes_listen_only_inside_their_namespace(
                 let ip = address.ip();
                 let allowed = ip.is_loopback()
                     || matches!(ip, IpAddr::V4(v4) if v4.octets()[..2] == [10, 86])
-                    || (name == "service-proxy" && ip == kubernetes_ip);
+                    || (name == "service-proxy" && ip == kubernetes_ip)
+                    || (name == "coredns" && ip == dns_ip);
                 ensure!(
                     allowed,
                     "{}'s {name} (pid {pid}) listens on {address}: only its loopback or node IP may be used \
-                     (and the kubernetes Service's {kubernetes_ip}, by the service-proxy)",
+                     (and the kubernetes Service's {kubernetes_ip}, by the service-proxy; kube-dns's {dns_ip}, by CoreDNS)",
                     node.name()
                 );
             }
