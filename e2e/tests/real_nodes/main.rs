@@ -9,6 +9,7 @@
 //! small nodes, and one of them stops a kubelet. Every wait is bounded; nothing
 //! sleeps to synchronise.
 
+mod groups;
 mod images;
 mod network;
 mod operator;
@@ -47,6 +48,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
         operator::a_slow_canary_is_rolled_back_then_a_good_bundle_is_promoted,
         operator::the_router_sends_a_ten_percent_canary_ten_percent_of_requests,
         operator::a_killed_engine_recreates_its_group,
+        groups::a_pipeline_group_spans_two_nodes_and_is_recreated_whole,
         operator::a_stopped_kubelet_loses_its_zone_and_recovers,
         operator::measured_demand_follows_a_ramp,
     ]

@@ -31,7 +31,7 @@ use crate::support::{
     pod_ready, real_namespace, real_sample, router_endpoints, stream_completion,
 };
 
-const ISVC: &str = "smollm2";
+pub const ISVC: &str = "smollm2";
 /// Label selecting the sample's engine pods (the operator's instance label).
 const INSTANCE: &str = "app.kubernetes.io/instance=smollm2";
 /// Streams in flight during the drain test, and their length.
@@ -41,9 +41,9 @@ const STREAMS: usize = 16;
 const STREAM_TOKENS: u32 = 96;
 
 /// A namespace, the operator acting on it, and the sample applied and Ready.
-struct Running {
-    ns: RealNs,
-    operator: OperatorProcess,
+pub struct Running {
+    pub ns: RealNs,
+    pub operator: OperatorProcess,
 }
 
 impl Running {
@@ -52,7 +52,7 @@ impl Running {
     }
 
     /// Applies `isvc` and waits until `groups` groups are ready.
-    async fn start_with(env: &Env, isvc: Value, groups: i64) -> anyhow::Result<Self> {
+    pub async fn start_with(env: &Env, isvc: Value, groups: i64) -> anyhow::Result<Self> {
         let ns = real_namespace(env).await?;
         let operator = OperatorProcess::start(env, &ns).await?;
         let mut running = Self { ns, operator };
@@ -69,7 +69,7 @@ impl Running {
 
     /// Polls the status (every 250 ms) until `found` yields, for at most `timeout`;
     /// fails early if the operator exits.
-    async fn until<T>(
+    pub async fn until<T>(
         &mut self,
         what: &str,
         timeout: Duration,
@@ -94,7 +94,7 @@ impl Running {
         }
     }
 
-    async fn wait_ready(&mut self, groups: i64, timeout: Duration) -> anyhow::Result<Value> {
+    pub async fn wait_ready(&mut self, groups: i64, timeout: Duration) -> anyhow::Result<Value> {
         self.until(
             &format!("{ISVC} Ready with {groups} ready groups"),
             timeout,
@@ -110,7 +110,7 @@ impl Running {
 
     /// The InferenceService's engine pods (its router pods carry the same instance
     /// label, and are no group).
-    async fn engine_pods(&self) -> anyhow::Result<Vec<Pod>> {
+    pub async fn engine_pods(&self) -> anyhow::Result<Vec<Pod>> {
         let selector = format!(
             "{INSTANCE},{}={}",
             slipway_contract::labels::COMPONENT,
@@ -124,7 +124,7 @@ impl Running {
             .items)
     }
 
-    async fn pod_summary(&self) -> anyhow::Result<String> {
+    pub async fn pod_summary(&self) -> anyhow::Result<String> {
         Ok(self
             .engine_pods()
             .await?
@@ -147,7 +147,7 @@ impl Running {
             .join("; "))
     }
 
-    fn kubectl_get_wide(&self, env: &Env) -> String {
+    pub fn kubectl_get_wide(&self, env: &Env) -> String {
         env.cluster
             .kubectl(
                 &[
