@@ -9,6 +9,7 @@
 //! small nodes, and one of them stops a kubelet. Every wait is bounded; nothing
 //! sleeps to synchronise.
 
+mod dns;
 mod groups;
 mod images;
 mod network;
@@ -42,6 +43,7 @@ fn all_tests() -> Vec<(&'static str, TestFn)> {
     tests![
         images::imported_images_match_the_dockerfile,
         network::node_processes_listen_only_inside_their_namespace,
+        dns::a_pod_on_each_node_resolves_cluster_names_only,
         pods::a_hand_written_engine_pod_is_probed_ready_and_drains_on_each_real_node,
         operator::cpu_sample_is_ready_on_real_nodes_and_answers,
         operator::drain_under_load_finishes_every_stream,

@@ -25,7 +25,9 @@ const SERVED_NAME: &str = "smollm2-by-hand";
 const PRE_STOP_SECONDS: i64 = 2;
 const GRACE_SECONDS: i64 = 30;
 
-fn hand_written_pod(node: &RealNode) -> anyhow::Result<Pod> {
+/// An engine pod serving the claim's model on `node`, written as a user would; also the
+/// server the DNS test resolves (`dns.rs`).
+pub fn hand_written_pod(node: &RealNode) -> anyhow::Result<Pod> {
     let placement = real_nodes::placement();
     let model = format!("/models/{}", model_file()?);
     let pod = json!({
