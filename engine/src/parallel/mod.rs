@@ -63,8 +63,9 @@
 //!   `--rank` and `--leader-address` (the rank-0 pod's DNS name under the group's
 //!   headless Service, which publishes not-ready addresses). Left: a CUDA pod holding
 //!   several GPUs needs one process driving several ranks (with NCCL), so it is told
-//!   nothing yet; and the real-nodes harness has no cluster DNS, so a multi-pod group
-//!   cannot resolve its leader there until it gets one.
+//!   nothing yet. On real nodes (the e2e harness runs CoreDNS) a `pipeline: 2` group
+//!   spans two nodes, serves, and is recreated whole when a rank dies
+//!   (`e2e/tests/real_nodes/groups.rs`).
 
 pub mod layout;
 pub mod loopback;
