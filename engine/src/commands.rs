@@ -262,7 +262,7 @@ pub struct BenchArgs {
     pipeline_parallel: usize,
     /// Sum the attention output and MLP down products of a single process exactly,
     /// as a tensor group always does (`CpuBackend::set_exact_sums`), to measure what
-    /// that costs.
+    /// that costs. Refused with a group.
     #[arg(long)]
     exact_sums: bool,
 }
@@ -341,6 +341,13 @@ fn bench_group(
     config: &BenchConfig,
     blocks: usize,
 ) -> anyhow::Result<(model_bench::BenchReport, &'static GgufFile)> {
+    // A tensor rank always sums exactly and a pipeline stage as the single process
+    // does by default; the switch is for the single process only.
+    anyhow::ensure!(
+        !args.exact_sums,
+        "--exact-sums measures the single process; a group decides its sums itself \
+(tensor ranks always sum exactly), so drop it or --tensor-parallel/--pipeline-parallel"
+    );
     // The ranks' threads borrow the file for as long as they run; this command ends
     // with them, so the mapping is simply kept until the process exits.
     let file: &'static GgufFile = Box::leak(Box::new(GgufFile::open(&args.runner.model)?));
