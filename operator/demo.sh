@@ -147,10 +147,12 @@ echo
 
 echo "==> a chat request through the router (a ready endpoint of the client Service)"
 # The client Service selects the router pods; they route to the engines' leaders.
+# awk, not head: head exits after one line, and with two ready routers kubectl then
+# dies of SIGPIPE, which pipefail turns into the demo failing (exit 141).
 ip=""
 for _ in $(seq 1 120); do
   ip=$(kubectl get endpointslices --namespace default -l kubernetes.io/service-name=smollm2 \
-    -o jsonpath='{range .items[*].endpoints[?(@.conditions.ready==true)]}{.addresses[0]}{"\n"}{end}' | head -n1)
+    -o jsonpath='{range .items[*].endpoints[?(@.conditions.ready==true)]}{.addresses[0]}{"\n"}{end}' | awk 'NR == 1')
   [[ -n $ip ]] && break
   sleep 1
 done
