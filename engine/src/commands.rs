@@ -12,6 +12,7 @@ use clap::Args;
 use slipway_engine::backend::ModelRunner as _;
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
 use slipway_engine::generate::{generate, perplexity, score};
+use slipway_engine::kernels::Isa;
 use slipway_engine::kernels::peak::{self, MacInstruction};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
@@ -267,7 +268,8 @@ pub struct BenchArgs {
     exact_sums: bool,
 }
 
-/// Runs `bench`, printing one JSON object with tokens/s and the work per token
+/// Runs `bench`, printing one JSON object with the kernels' instruction set (as the
+/// backend chose it: [`Isa::detect`]), tokens/s and the work per token
 /// (multiply-adds per prompt and per decoded token, bytes of weights per decoded
 /// token) that turns them into fractions of `ceilings`; for a parallel group also
 /// the payload bytes each rank sends per aggregate decode step.
@@ -308,6 +310,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
     println!(
         "{}",
         serde_json::json!({
+            "isa": Isa::detect().name(),
             "tensor_parallel": args.tensor_parallel,
             "pipeline_parallel": args.pipeline_parallel,
             "pp_tps": report.prompt_tps,

@@ -28,12 +28,12 @@ use super::exact;
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
 
-/// Whether this CPU runs the kernel.
+/// Whether the kernel runs here: cpuid reports every feature it is compiled with and
+/// a probe of its instructions ran ([`super::probe`]; cpuid alone says what the CPU
+/// has, not what runs in this VM).
 #[must_use]
 pub fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+    super::probe::Extension::Avx2.runs()
 }
 
 /// Computes row group `g` of `w` times the activation rows `acts` of `x` into

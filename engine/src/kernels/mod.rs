@@ -20,6 +20,8 @@ pub mod pack;
 pub mod peak;
 #[cfg(target_arch = "x86_64")]
 mod peak_x86;
+#[cfg(target_arch = "x86_64")]
+mod probe;
 pub mod quant;
 mod scalar;
 #[cfg(test)]
@@ -55,7 +57,10 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The fastest instruction set this CPU supports.
+    /// The fastest instruction set that runs here: cpuid reports it and a probe of its
+    /// instructions ran in a child process (`kernels::probe`). cpuid alone says what
+    /// the CPU has, not what runs in this VM; a set it advertises may still fault with
+    /// SIGILL. Probed once per process.
     #[must_use]
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
@@ -70,7 +75,8 @@ impl Isa {
         Self::Scalar
     }
 
-    /// Every instruction set usable here (for tests that compare them).
+    /// Every instruction set usable here, by the same rule as [`Self::detect`] (for
+    /// tests that compare them).
     #[must_use]
     pub fn all_available() -> Vec<Self> {
         let mut v = vec![Self::Scalar];
@@ -84,6 +90,16 @@ impl Isa {
             }
         }
         v
+    }
+
+    /// How it is named in reports.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "AVX2",
+            Self::Avx512Vnni => "AVX-512 VNNI",
+        }
     }
 }
 

@@ -57,7 +57,8 @@ impl MacInstruction {
             .collect()
     }
 
-    /// Whether this CPU runs it.
+    /// Whether it runs here: by the rule of the engine's own dispatch (cpuid reports it
+    /// and a probe of it ran in a child process, as [`Isa::detect`] says why).
     #[must_use]
     pub fn runs(self) -> bool {
         #[cfg(target_arch = "x86_64")]

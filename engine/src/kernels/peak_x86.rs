@@ -18,6 +18,8 @@ use std::arch::x86_64::{
     _mm512_set1_epi8, _mm512_setzero_si512,
 };
 
+use super::probe::Extension;
+
 /// Independent `vpdpbusd` accumulators: enough to cover its latency (5 cycles) on two
 /// ports, and few enough to stay in the 32 vector registers with both operands.
 const VNNI_CHAINS: usize = 16;
@@ -38,24 +40,25 @@ pub const AVX_VNNI_MACS_PER_ITER: u64 = (AVX_VNNI_CHAINS * 32) as u64;
 /// Multiply-adds per iteration of [`avx2`].
 pub const AVX2_MACS_PER_ITER: u64 = (AVX2_CHAINS * 32) as u64;
 
-/// Whether [`vnni512`] runs here (the engine's AVX-512 VNNI kernel's features).
+/// Whether [`vnni512`] and [`read_avx512`] run here: exactly when the engine's AVX-512
+/// VNNI kernel does (cpuid and a probe, [`super::probe`]), so the ceiling is measured
+/// with what the engine runs.
 #[must_use]
 pub fn has_vnni512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512vnni")
+    Extension::Avx512Vnni.runs()
 }
 
-/// Whether [`avx_vnni`] runs here.
+/// Whether [`avx_vnni`] runs here (cpuid and a probe, [`super::probe`]).
 #[must_use]
 pub fn has_avx_vnni() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("avxvnni")
+    Extension::AvxVnni.runs()
 }
 
-/// Whether [`avx2`] and [`read_avx2`] run here.
+/// Whether [`avx2`] and [`read_avx2`] run here: exactly when the engine's AVX2 kernel
+/// does (cpuid and a probe, [`super::probe`]).
 #[must_use]
 pub fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
+    Extension::Avx2.runs()
 }
 
 /// `iters` × 16 × `vpdpbusd zmm` (64 u8×i8 multiply-adds each); returns a checksum of
