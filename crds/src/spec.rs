@@ -66,6 +66,7 @@ pub const MAX_GROUP_GPUS: i32 = 512;
     )
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = whole_nodes_rule())]
 pub struct InferenceServiceSpec {
     /// The release bundle to serve: model, tokenizer, adapters, chat template, KV
     /// namespace and engine. It is the unit of rollout: changing anything in it starts a
@@ -287,13 +288,13 @@ pub enum Device {
 /// How one replica is split. One group = `tensor × pipeline` ranks = one replica =
 /// one scheduling and failure unit. On CUDA a rank is a GPU, and a group larger than
 /// one node becomes several pods (a leader and workers) that are placed and restarted
-/// together. On CPU (`release.engine.device: CPU`) every rank is a pod of its own, one
-/// engine process each, and `gpusPerNode` places nothing (the schema still checks it).
+/// together; it must fill whole nodes (`tensor × pipeline` a multiple of
+/// `gpusPerNode`). On CPU (`release.engine.device: CPU`) every rank is a pod of its
+/// own, one engine process each, and `gpusPerNode` places nothing.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("self.tensor * self.pipeline <= 512").message("a group may span at most 512 GPUs (tensor × pipeline)"),
-    validation = Rule::new("self.tensor * self.pipeline <= self.gpusPerNode || (self.tensor * self.pipeline) % self.gpusPerNode == 0").message("a group larger than one node must fill whole nodes: tensor × pipeline must be a multiple of gpusPerNode")
+    validation = Rule::new("self.tensor * self.pipeline <= 512").message("a group may span at most 512 GPUs (tensor × pipeline)")
 )]
 pub struct Parallelism {
     /// Tensor-parallel degree: GPUs that split every layer. Kept inside one pod (one
@@ -307,8 +308,9 @@ pub struct Parallelism {
     #[schemars(range(min = 1, max = 64))]
     pub pipeline: i32,
 
-    /// GPUs on each node; a CUDA group larger than this is split into pods of this
-    /// size. Not used on CPU, where each rank is a pod.
+    /// GPUs on each node. A CUDA group larger than this is split over several nodes
+    /// and must fill them: `tensor × pipeline` must be a multiple of it. Not used on
+    /// CPU, where each rank is a pod of its own.
     #[serde(default = "default_gpus_per_node")]
     #[schemars(range(min = 1, max = 16))]
     pub gpus_per_node: i32,
@@ -331,6 +333,38 @@ impl Default for Parallelism {
             gpus_per_node: default_gpus_per_node(),
             colocation_topology_key: default_colocation_key(),
         }
+    }
+}
+
+/// What [`Parallelism::fills_whole_nodes`] says, as the CEL rule the API server runs. It
+/// lives on the spec, not on `parallelism`, because it needs `release.engine.device`:
+/// the two are the one statement of the rule, side by side, and `crds/tests/crd.rs`
+/// checks that they agree on every shape.
+fn whole_nodes_rule() -> kube::core::Rule {
+    kube::core::Rule::new(
+        "(has(self.release.engine.device) && self.release.engine.device == 'CPU') || self.parallelism.tensor * self.parallelism.pipeline <= self.parallelism.gpusPerNode || (self.parallelism.tensor * self.parallelism.pipeline) % self.parallelism.gpusPerNode == 0",
+    )
+    .message(WHOLE_NODES_MESSAGE)
+}
+
+/// The message of [`whole_nodes_rule`].
+pub const WHOLE_NODES_MESSAGE: &str = "a CUDA group larger than one node must fill whole nodes: tensor × pipeline must be a multiple of gpusPerNode (on CPU every rank is a pod and gpusPerNode is not used)";
+
+impl Parallelism {
+    /// Whether a group of this shape on `device` can be placed, as the CRD's rule says
+    /// (its CEL twin is on the spec, where the device is visible): on CUDA a group that
+    /// fits one node is one pod, and a larger one must fill the nodes it spans, so
+    /// `tensor × pipeline` must be at most `gpusPerNode` or a multiple of it. On CPU
+    /// every rank is a pod of its own and `gpusPerNode` places nothing. A non-positive
+    /// `gpusPerNode` (the schema's bounds refuse it) fits nothing on CUDA.
+    #[must_use]
+    pub fn fills_whole_nodes(&self, device: Device) -> bool {
+        if device == Device::Cpu {
+            return true;
+        }
+        let ranks = i64::from(self.tensor) * i64::from(self.pipeline);
+        let per_node = i64::from(self.gpus_per_node);
+        per_node > 0 && (ranks <= per_node || ranks % per_node == 0)
     }
 }
 

@@ -125,11 +125,7 @@ impl InvalidCase {
     /// # Errors
     /// An edit whose pointer does not fit the valid object (a stale table).
     pub fn object(&self, name: &str) -> Result<Value, EditError> {
-        let mut object = valid_inference_service(name);
-        for (pointer, value) in &self.edits {
-            edit(&mut object, pointer, value.clone())?;
-        }
-        Ok(object)
+        edited(name, &self.edits)
     }
 }
 
@@ -192,9 +188,14 @@ pub fn invalid_cases() -> Vec<InvalidCase> {
             Cel("a group may span at most 512 GPUs (tensor × pipeline)"),
         ),
         case(
-            "multi-node group fills whole nodes",
-            vec![("/spec/parallelism/tensor", json!(12))],
-            Cel("a group larger than one node must fill whole nodes"),
+            "a multi-node CUDA group fills whole nodes",
+            vec![
+                ("/spec/release/engine/device", json!("CUDA")),
+                // The CPU-only adapters would break another rule.
+                ("/spec/release/adapters", Value::Null),
+                ("/spec/parallelism/tensor", json!(12)),
+            ],
+            Cel("a CUDA group larger than one node must fill whole nodes"),
         ),
         case(
             "fLoss < 1",
@@ -463,6 +464,52 @@ pub fn invalid_cases() -> Vec<InvalidCase> {
     ]
 }
 
+/// Objects the API must accept, each [`valid_inference_service`] with `edits`
+/// applied, next to the invalid cases they border: the offline unit test and the
+/// real API server's e2e test both create them.
+#[must_use]
+pub fn valid_variants() -> Vec<(&'static str, Vec<(&'static str, Value)>)> {
+    vec![
+        (
+            "a CPU group of 12 ranks with gpusPerNode 8 (each rank is its own pod)",
+            vec![
+                ("/spec/parallelism/tensor", json!(12)),
+                ("/spec/parallelism/gpusPerNode", json!(8)),
+            ],
+        ),
+        (
+            "a CUDA group filling two 8-GPU nodes (tensor 8 × pipeline 2)",
+            vec![
+                ("/spec/release/engine/device", json!("CUDA")),
+                ("/spec/release/adapters", Value::Null),
+                ("/spec/parallelism/tensor", json!(8)),
+                ("/spec/parallelism/pipeline", json!(2)),
+            ],
+        ),
+        (
+            "a CUDA group within one 8-GPU node (tensor 3 × pipeline 2)",
+            vec![
+                ("/spec/release/engine/device", json!("CUDA")),
+                ("/spec/release/adapters", Value::Null),
+                ("/spec/parallelism/tensor", json!(3)),
+                ("/spec/parallelism/pipeline", json!(2)),
+            ],
+        ),
+    ]
+}
+
+/// [`valid_inference_service`] named `name` with `edits` applied.
+///
+/// # Errors
+/// An edit whose pointer does not fit the valid object (a stale table).
+pub fn edited(name: &str, edits: &[(&'static str, Value)]) -> Result<Value, EditError> {
+    let mut object = valid_inference_service(name);
+    for (pointer, value) in edits {
+        edit(&mut object, pointer, value.clone())?;
+    }
+    Ok(object)
+}
+
 /// A JSON-pointer edit that does not fit the object.
 #[derive(Debug, thiserror::Error)]
 pub enum EditError {
@@ -614,6 +661,10 @@ mod tests {
                 .object("t")
                 .unwrap_or_else(|e| panic!("{}: {e}", case.rule));
             assert_ne!(object, valid_inference_service("t"), "{}", case.rule);
+        }
+        for (about, edits) in valid_variants() {
+            let object = edited("t", &edits).unwrap_or_else(|e| panic!("{about}: {e}"));
+            assert_ne!(object, valid_inference_service("t"), "{about}");
         }
     }
 

@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 use slipway_api::InferenceService;
-use slipway_api::testing::{Rejection, edit, invalid_cases, valid_inference_service};
+use slipway_api::spec::{Device, Parallelism, WHOLE_NODES_MESSAGE};
+use slipway_api::testing::{
+    Rejection, edit, edited, invalid_cases, valid_inference_service, valid_variants,
+};
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -98,8 +101,11 @@ fn structural_errors(object: &Value) -> Vec<String> {
 }
 
 fn cel_errors(object: &Value, old: Option<&Value>) -> Vec<String> {
-    let crd = checked_in_crd();
-    match kube::core::cel::Validator::new().validate(openapi_schema(&crd), object, old) {
+    cel_errors_in(&checked_in_crd(), object, old)
+}
+
+fn cel_errors_in(crd: &Value, object: &Value, old: Option<&Value>) -> Vec<String> {
+    match kube::core::cel::Validator::new().validate(openapi_schema(crd), object, old) {
         Ok(()) => Vec::new(),
         Err(errors) => errors.into_vec().into_iter().map(|e| e.message).collect(),
     }
@@ -169,6 +175,58 @@ fn invalid_objects_are_rejected_with_their_message() {
             );
         }
     }
+}
+
+/// The objects the e2e suite also creates on a real API server, each bordering an
+/// invalid case.
+#[test]
+fn valid_variants_are_accepted() {
+    for (about, edits) in valid_variants() {
+        let object = edited("t", &edits).unwrap_or_else(|e| panic!("{about}: {e}"));
+        assert_eq!(structural_errors(&object), Vec::<String>::new(), "{about}");
+        assert_eq!(cel_errors(&object, None), Vec::<String>::new(), "{about}");
+    }
+}
+
+/// The whole-nodes rule is written twice, as CEL for the API server and as
+/// `Parallelism::fills_whole_nodes` for the operator; they must refuse the same shapes.
+#[test]
+fn the_whole_nodes_rule_and_the_operators_check_agree_on_every_shape() {
+    let crd = checked_in_crd();
+    let mut refused = 0;
+    for device in [Device::Cpu, Device::Cuda] {
+        for gpus_per_node in [1, 2, 3, 4, 6, 8, 16] {
+            for tensor in 1..=20 {
+                for pipeline in [1, 2, 3] {
+                    let mut object = valid();
+                    object["spec"]["release"]["engine"]["device"] = json!(device);
+                    // Adapters are CPU-only: another rule, not this one's business.
+                    edit(&mut object, "/spec/release/adapters", Value::Null)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    object["spec"]["parallelism"] = json!({
+                        "tensor": tensor, "pipeline": pipeline, "gpusPerNode": gpus_per_node,
+                    });
+                    let cel_accepts = !cel_errors_in(&crd, &object, None)
+                        .iter()
+                        .any(|e| e.contains(WHOLE_NODES_MESSAGE));
+                    let parallelism = Parallelism {
+                        tensor,
+                        pipeline,
+                        gpus_per_node,
+                        ..Parallelism::default()
+                    };
+                    assert_eq!(
+                        cel_accepts,
+                        parallelism.fills_whole_nodes(device),
+                        "{device:?} tensor {tensor} × pipeline {pipeline} on {gpus_per_node}-GPU nodes"
+                    );
+                    refused += usize::from(!cel_accepts);
+                }
+            }
+        }
+    }
+    // Both verdicts occur, so the comparison compares something.
+    assert!(refused > 0);
 }
 
 #[test]

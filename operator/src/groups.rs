@@ -11,8 +11,11 @@
 //! keeping every tensor-parallel set inside one pod whenever `tensor ≤ gpusPerNode`
 //! (tensor parallelism needs NVLink bandwidth; pipeline stages only pass activations,
 //! so stage boundaries are where a group may cross nodes). When `tensor >
-//! gpusPerNode` the tensor set itself must cross nodes, and the group fills whole
-//! nodes (the CRD requires `tensor × pipeline` to be a multiple of `gpusPerNode`).
+//! gpusPerNode` the tensor set itself must cross nodes, in pods of whole nodes. A
+//! group larger than one node must fill whole nodes (`tensor × pipeline` a multiple of
+//! `gpusPerNode`): the CRD's rule, checked here by its Rust twin
+//! [`Parallelism::fills_whole_nodes`] (the crds tests hold the two to the same
+//! verdicts), so the operator refuses exactly what the API server does.
 //!
 //! A CUDA pod holds one engine rank per GPU, in rank order, so a pod of several GPUs
 //! would need one process driving several ranks; that comes with the NCCL transport
@@ -86,20 +89,21 @@ pub enum ShapeError {
         gpus_per_node: i32,
     },
     #[error(
-        "tensor {tensor} spans nodes of {gpus_per_node} GPUs, so tensor × pipeline ({total}) must be a multiple of gpusPerNode"
+        "a CUDA group of tensor {tensor} × pipeline {pipeline} = {} GPUs spans nodes of {gpus_per_node} GPUs without filling them: tensor × pipeline must be a multiple of gpusPerNode",
+        i64::from(*tensor) * i64::from(*pipeline)
     )]
     PartialNode {
-        tensor: u32,
-        total: u32,
-        gpus_per_node: u32,
+        tensor: i32,
+        pipeline: i32,
+        gpus_per_node: i32,
     },
 }
 
 /// Splits a group on `device` into pods.
 ///
 /// # Errors
-/// [`ShapeError`] for non-positive degrees or, on CUDA, a tensor set that crosses
-/// nodes without filling them.
+/// [`ShapeError`] for non-positive degrees or, on CUDA, a group that spans nodes
+/// without filling them.
 pub fn group_shape(parallelism: &Parallelism, device: Device) -> Result<GroupShape, ShapeError> {
     let positive = |value: i32| u32::try_from(value).ok().filter(|&v| v > 0);
     let (Some(tensor), Some(pipeline), Some(per_node)) = (
@@ -113,6 +117,13 @@ pub fn group_shape(parallelism: &Parallelism, device: Device) -> Result<GroupSha
             gpus_per_node: parallelism.gpus_per_node,
         });
     };
+    if !parallelism.fills_whole_nodes(device) {
+        return Err(ShapeError::PartialNode {
+            tensor: parallelism.tensor,
+            pipeline: parallelism.pipeline,
+            gpus_per_node: parallelism.gpus_per_node,
+        });
+    }
     let total = tensor.saturating_mul(pipeline);
     let pods = if device == Device::Cpu {
         (0..total)
@@ -153,13 +164,7 @@ pub fn group_shape(parallelism: &Parallelism, device: Device) -> Result<GroupSha
             })
             .collect()
     } else {
-        if total % per_node != 0 {
-            return Err(ShapeError::PartialNode {
-                tensor,
-                total,
-                gpus_per_node: per_node,
-            });
-        }
+        // `fills_whole_nodes`: `total` is a multiple of `per_node`.
         (0..total / per_node)
             .map(|rank| PodShape {
                 rank,
@@ -210,7 +215,15 @@ mod tests {
     #[test]
     fn tensor_sets_never_straddle_pods_when_they_fit() {
         // 3 does not divide 8: two stages (6 GPUs) per pod, never 8 with a set cut.
-        assert_eq!(shape(3, 5, 8), vec![(6, 0, 2), (6, 2, 2), (3, 4, 1)]);
+        assert_eq!(
+            shape(3, 8, 8),
+            vec![(6, 0, 2), (6, 2, 2), (6, 4, 2), (6, 6, 2)]
+        );
+        // 3 × 10 on 10-GPU nodes: three stages per pod, the last pod holds the rest.
+        assert_eq!(
+            shape(3, 10, 10),
+            vec![(9, 0, 3), (9, 3, 3), (9, 6, 3), (3, 9, 1)]
+        );
     }
 
     #[test]
@@ -231,7 +244,7 @@ mod tests {
                     assert_eq!(cpu.gpus(), 0);
                     assert_ranks_are_consecutive(&cpu);
                     let Ok(group) = group_shape(&parallelism, Device::Cuda) else {
-                        assert!(tensor > per_node && !total.is_multiple_of(per_node as u32));
+                        assert!(total > per_node as u32 && !total.is_multiple_of(per_node as u32));
                         continue;
                     };
                     assert_eq!(group.gpus(), total, "{tensor}×{pipeline}/{per_node}");
@@ -351,9 +364,19 @@ mod tests {
             group_shape(&parallelism, Device::Cuda),
             Err(ShapeError::PartialNode {
                 tensor: 12,
-                total: 12,
+                pipeline: 1,
                 gpus_per_node: 8
             })
         );
+        // Whole tensor sets, but 12 GPUs do not fill two 8-GPU nodes: the CRD refuses
+        // it, and so does the operator.
+        let parallelism = Parallelism {
+            tensor: 4,
+            pipeline: 3,
+            gpus_per_node: 8,
+            ..Parallelism::default()
+        };
+        assert!(group_shape(&parallelism, Device::Cuda).is_err());
+        assert!(group_shape(&parallelism, Device::Cpu).is_ok());
     }
 }

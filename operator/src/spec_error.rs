@@ -143,12 +143,12 @@ mod tests {
             ),
             (
                 SpecError::Parallelism(ShapeError::PartialNode {
-                    tensor: 16,
-                    total: 24,
+                    tensor: 4,
+                    pipeline: 5,
                     gpus_per_node: 8,
                 }),
                 "ParallelismDoesNotFitNode",
-                "tensor × pipeline (24) must be a multiple of gpusPerNode",
+                "parallelism: a CUDA group of tensor 4 × pipeline 5 = 20 GPUs spans nodes of 8 GPUs without filling them",
             ),
             (
                 SpecError::EngineArgsOverrideOperator {

@@ -140,6 +140,31 @@ fn cpu_tensor_3_by_pipeline_2_is_six_pods_ranked_stage_times_tensor_plus_tensor_
 }
 
 #[test]
+fn gpus_per_node_places_no_cpu_group_but_refuses_a_cuda_group_that_does_not_fill_its_nodes() {
+    // Tensor 12 on "8-GPU nodes": twelve CPU pods of one rank each.
+    let shape = json!({"tensor": 12, "pipeline": 1, "gpusPerNode": 8});
+    let cpu = groups(&json!({ "parallelism": shape }));
+    let want: Vec<_> = (0..12)
+        .map(|r| (format!("smollm2-g0-r{r}"), leader(12, 1, r)))
+        .collect();
+    assert_eq!(cpu, want);
+    // On CUDA the same shape would leave a node part-filled: refused, as the CRD does.
+    let (_, plan) = plan_cpu(&json!({
+        "parallelism": shape,
+        "release": {"engine": {"device": "CUDA"}},
+    }));
+    let invalid = plan.invalid.as_ref().map(|e| (e.reason(), e.to_string()));
+    assert!(
+        invalid.as_ref().is_some_and(|(reason, message)| {
+            *reason == "ParallelismDoesNotFitNode"
+                && message.contains("must be a multiple of gpusPerNode")
+        }),
+        "{invalid:?}"
+    );
+    assert!(pods(&plan).is_empty());
+}
+
+#[test]
 fn the_leader_declares_its_group_port_and_the_group_service_publishes_unready_pods() {
     let (_, plan) = plan_cpu(&json!({"parallelism": {"pipeline": 2}}));
     let ports = |pod: &Pod| -> Vec<(String, i32)> {

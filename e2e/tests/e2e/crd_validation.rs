@@ -11,7 +11,7 @@ use kube::Api;
 use kube::api::PostParams;
 use kube::runtime::wait::conditions::is_crd_established;
 use serde_json::{Value, json};
-use slipway_api::testing::{edit, invalid_cases, valid_inference_service};
+use slipway_api::testing::{edit, edited, invalid_cases, valid_inference_service, valid_variants};
 use slipway_e2e::{crd, manifests, wait};
 
 use crate::support::{TestContext, dynamic, inference_services, rejection_message};
@@ -104,6 +104,14 @@ pub async fn invalid_objects_are_rejected_with_their_rule_message(
     api.create(&post, &dynamic(valid_inference_service("valid"))?)
         .await
         .context("the valid InferenceService the table starts from was rejected")?;
+    // Objects bordering the invalid cases (a CPU group that gpusPerNode does not
+    // constrain, CUDA groups that fill their nodes) pass too.
+    for (index, (about, edits)) in valid_variants().iter().enumerate() {
+        let object = edited(&format!("valid-{index}"), edits).with_context(|| about.to_string())?;
+        api.create(&post, &dynamic(object)?)
+            .await
+            .with_context(|| format!("{about} was rejected"))?;
+    }
 
     let mut failures = String::new();
     for (index, case) in cases.iter().enumerate() {
