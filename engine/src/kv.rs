@@ -9,6 +9,7 @@
 use half::f16;
 
 use crate::kernels::attention::KvLayout;
+use crate::kernels::buffer::ZeroedBuffer;
 
 /// Errors from the allocator.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -34,14 +35,16 @@ pub struct KvCache {
     layers: usize,
     num_blocks: usize,
     layout: KvLayout,
-    data: Vec<f16>,
+    /// f16 elements, in huge pages when large: attention reads every live block of
+    /// every layer once per step, from wherever the allocator put it.
+    data: ZeroedBuffer,
 }
 
 impl KvCache {
     /// Zeroed storage for `num_blocks` blocks in each of `layers` layers.
     #[must_use]
     pub fn new(layers: usize, num_blocks: usize, layout: KvLayout) -> Self {
-        let data = vec![f16::ZERO; layers * num_blocks * layout.block_elems()];
+        let data = ZeroedBuffer::new(layers * num_blocks * layout.block_bytes());
         Self {
             layers,
             num_blocks,
@@ -74,6 +77,16 @@ impl KvCache {
         self.layers * self.num_blocks * self.layout.block_bytes()
     }
 
+    /// Every element, as f16 (a buffer from [`ZeroedBuffer`] is 64-byte aligned and
+    /// a whole number of elements long, so the cast cannot fail).
+    fn elems(&self) -> &[f16] {
+        bytemuck::cast_slice(self.data.bytes())
+    }
+
+    fn elems_mut(&mut self) -> &mut [f16] {
+        bytemuck::cast_slice_mut(self.data.bytes_mut())
+    }
+
     fn layer_elems(&self) -> usize {
         self.num_blocks * self.layout.block_elems()
     }
@@ -85,7 +98,7 @@ impl KvCache {
     #[must_use]
     pub fn layer(&self, layer: usize) -> &[f16] {
         let n = self.layer_elems();
-        &self.data[layer * n..(layer + 1) * n]
+        &self.elems()[layer * n..(layer + 1) * n]
     }
 
     /// Stores the keys and values (`kv_heads * head_dim` each) of one position.
@@ -97,6 +110,7 @@ impl KvCache {
         assert!(slot < l.block_size && (block as usize) < self.num_blocks);
         assert!(k.len() == l.kv_heads * l.head_dim && v.len() == k.len());
         let base = layer * self.layer_elems();
+        let data = self.elems_mut();
         for h in 0..l.kv_heads {
             // Keys are stored transposed ([dim][slot]) so scoring a block is a
             // broadcast-multiply over slots; values row by row ([slot][dim]).
@@ -104,10 +118,10 @@ impl KvCache {
             // Stored as f16, as llama.cpp's default KV cache stores them, so our
             // attention sees the numbers llama.cpp's does.
             for (d, &kv) in k[h * l.head_dim..(h + 1) * l.head_dim].iter().enumerate() {
-                self.data[at + d * l.block_size] = f16::from_f32(kv);
+                data[at + d * l.block_size] = f16::from_f32(kv);
             }
             let at = base + l.offset(block as usize, true, h) + slot * l.head_dim;
-            for (o, &vv) in self.data[at..at + l.head_dim]
+            for (o, &vv) in data[at..at + l.head_dim]
                 .iter_mut()
                 .zip(&v[h * l.head_dim..(h + 1) * l.head_dim])
             {

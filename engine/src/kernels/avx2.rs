@@ -358,3 +358,81 @@ fn widen_f16_avx2(src: &[half::f16], dst: &mut [f32]) {
     }
     src[whole..].convert_to_f32_slice(&mut dst[whole..]);
 }
+
+/// [`super::pack::quantize_blocks`] 8 values at a time, the same bits: the largest
+/// magnitude is exact in any order, `vcvtps2dq` rounds to nearest even as the
+/// portable rounding does, and values that are not numbers are masked to 0 as the
+/// portable cast makes them.
+///
+/// # Panics
+/// When the slices are not whole blocks of one count, or on a CPU without the
+/// features [`available`] checks.
+pub fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]) {
+    assert!(available(), "avx2 quantization called on a CPU without it");
+    let blocks = d.len();
+    assert!(x.len() == blocks * QK && q.len() == x.len());
+    assert!(s.len() == blocks && qsum.len() == blocks);
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { quantize_blocks_avx2(x, q, d, s, qsum) }
+}
+
+#[target_feature(enable = "avx2")]
+fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]) {
+    use super::pack::{block_scale, store_block_sums};
+    use std::arch::x86_64::{
+        _CMP_ORD_Q, _mm_add_epi32, _mm_cvtsi128_si32, _mm_shuffle_epi32, _mm256_and_ps,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cmp_ps,
+        _mm256_cvtps_epi32, _mm256_cvtss_f32, _mm256_extracti128_si256, _mm256_loadu_ps,
+        _mm256_max_epi32, _mm256_min_epi32, _mm256_packs_epi16, _mm256_packs_epi32,
+        _mm256_permute2f128_ps, _mm256_permutevar8x32_epi32, _mm256_setr_epi32, _mm256_shuffle_ps,
+    };
+    let abs_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    // packs interleave the 128-bit lanes; this puts the bytes back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (bi, (xb, qb)) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
+        // SAFETY: xb holds QK = 32 floats, read unaligned 8 at a time.
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * i)) });
+        let magnitude = |v: __m256| {
+            _mm256_and_ps(
+                _mm256_and_ps(v, abs_bits),
+                _mm256_cmp_ps::<_CMP_ORD_Q>(v, v),
+            )
+        };
+        let mut m = _mm256_max_ps(
+            _mm256_max_ps(magnitude(v[0]), magnitude(v[1])),
+            _mm256_max_ps(magnitude(v[2]), magnitude(v[3])),
+        );
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps::<0b0100_1110>(m, m));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps::<0b1011_0001>(m, m));
+        let (dv, id) = block_scale(_mm256_cvtss_f32(m));
+        let idv = _mm256_set1_ps(id);
+        let r: [__m256i; 4] = std::array::from_fn(|i| {
+            let scaled = _mm256_mul_ps(v[i], idv);
+            let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(scaled, scaled));
+            let r = _mm256_and_si256(_mm256_cvtps_epi32(scaled), ordered);
+            _mm256_min_epi32(_mm256_max_epi32(r, lo), hi)
+        });
+        let total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        let mut t = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256::<1>(total),
+        );
+        t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b0100_1110>(t));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b1011_0001>(t));
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(r[0], r[1]),
+            _mm256_packs_epi32(r[2], r[3]),
+        );
+        // SAFETY: qb holds 32 bytes, written unaligned.
+        unsafe {
+            _mm256_storeu_si256(
+                qb.as_mut_ptr().cast(),
+                _mm256_permutevar8x32_epi32(bytes, order),
+            );
+        }
+        store_block_sums(bi, (dv, _mm_cvtsi128_si32(t)), d, s, qsum);
+    }
+}

@@ -321,3 +321,62 @@ fn widen_f16_avx512(src: &[half::f16], dst: &mut [f32]) {
     }
     src[whole..].convert_to_f32_slice(&mut dst[whole..]);
 }
+
+/// [`super::pack::quantize_blocks`] 16 values at a time, the same bits: the largest
+/// magnitude is exact in any order, `vcvtps2dq` rounds to nearest even as the
+/// portable rounding does, and values that are not numbers are masked to 0 as the
+/// portable cast makes them.
+///
+/// # Panics
+/// When the slices are not whole blocks of one count, or on a CPU without the
+/// features [`available`] checks.
+pub fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]) {
+    assert!(
+        available(),
+        "avx512 quantization called on a CPU without it"
+    );
+    let blocks = d.len();
+    assert!(x.len() == blocks * QK && q.len() == x.len());
+    assert!(s.len() == blocks && qsum.len() == blocks);
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { quantize_blocks_avx512(x, q, d, s, qsum) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]) {
+    use super::pack::{block_scale, store_block_sums};
+    use std::arch::x86_64::{
+        _CMP_ORD_Q, _mm_storeu_si128, _mm512_abs_ps, _mm512_cmp_ps_mask, _mm512_cvtepi32_epi8,
+        _mm512_loadu_ps, _mm512_maskz_cvtps_epi32, _mm512_maskz_mov_ps, _mm512_max_epi32,
+        _mm512_min_epi32, _mm512_reduce_add_epi32, _mm512_reduce_max_ps,
+    };
+    let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+    for (bi, (xb, qb)) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
+        // SAFETY: xb holds QK = 32 floats, read unaligned.
+        let halves = unsafe {
+            [
+                _mm512_loadu_ps(xb.as_ptr()),
+                _mm512_loadu_ps(xb.as_ptr().add(16)),
+            ]
+        };
+        let magnitude = |v: __m512| {
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(v, v), _mm512_abs_ps(v))
+        };
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(magnitude(halves[0]), magnitude(halves[1])));
+        let (dv, id) = block_scale(amax);
+        let idv = _mm512_set1_ps(id);
+        let mut sum = _mm512_setzero_si512();
+        for (h, &v) in halves.iter().enumerate() {
+            let scaled = _mm512_mul_ps(v, idv);
+            let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(scaled, scaled);
+            let r = _mm512_maskz_cvtps_epi32(ordered, scaled);
+            let r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+            sum = _mm512_add_epi32(sum, r);
+            // SAFETY: qb holds 32 bytes; this half's 16 are written unaligned.
+            unsafe {
+                _mm_storeu_si128(qb.as_mut_ptr().add(16 * h).cast(), _mm512_cvtepi32_epi8(r))
+            };
+        }
+        store_block_sums(bi, (dv, _mm512_reduce_add_epi32(sum)), d, s, qsum);
+    }
+}

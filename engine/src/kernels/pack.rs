@@ -19,15 +19,15 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::KernelError;
+use super::buffer::ZeroedBuffer;
 use super::quant::{
     Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightFormat, dequantize_row, round_f16,
 };
+use super::{Isa, KernelError};
 
 /// Rows interleaved per group.
 pub const GROUP: usize = 16;
 const SCALE_BYTES: usize = 64;
-const ALIGN: usize = 64;
 
 /// How the quants of a packed matrix are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,21 +53,8 @@ pub struct PackedMatrix {
     rows: usize,
     cols: usize,
     kind: PackedKind,
-    storage: Storage,
-    offset: usize,
-    len: usize,
+    storage: ZeroedBuffer,
 }
-
-/// Where packed bytes live: large matrices in an anonymous mapping advised to use
-/// huge pages (decode streams every weight once per step, and 4 KiB pages cost a
-/// TLB miss every 64 cache lines), small ones on the heap.
-#[derive(Debug)]
-enum Storage {
-    Heap(Vec<u8>),
-    Mapped(memmap2::MmapMut),
-}
-
-const HUGE: usize = 2 << 20;
 
 /// A slice of rows in ggml layout that becomes part of a packed matrix.
 #[derive(Clone, Copy, Debug)]
@@ -143,30 +130,11 @@ impl PackedMatrix {
     fn zeroed(rows: usize, cols: usize, kind: PackedKind) -> Self {
         let groups = rows.div_ceil(GROUP);
         let len = groups * (cols / QK) * (SCALE_BYTES + kind.quant_bytes());
-        if len >= HUGE
-            && let Ok(map) = memmap2::MmapMut::map_anon(len)
-        {
-            // Only a hint: without transparent huge pages the mapping still works.
-            #[cfg(target_os = "linux")]
-            let _ = map.advise(memmap2::Advice::HugePage);
-            return Self {
-                rows,
-                cols,
-                kind,
-                storage: Storage::Mapped(map),
-                offset: 0,
-                len,
-            };
-        }
-        let storage = vec![0u8; len + ALIGN];
-        let offset = storage.as_ptr().align_offset(ALIGN).min(ALIGN);
         Self {
             rows,
             cols,
             kind,
-            storage: Storage::Heap(storage),
-            offset,
-            len,
+            storage: ZeroedBuffer::new(len),
         }
     }
 
@@ -246,17 +214,11 @@ impl PackedMatrix {
     /// 64-byte aligned.
     #[must_use]
     pub fn data(&self) -> &[u8] {
-        match &self.storage {
-            Storage::Heap(v) => &v[self.offset..self.offset + self.len],
-            Storage::Mapped(m) => &m[..self.len],
-        }
+        self.storage.bytes()
     }
 
     fn data_mut(&mut self) -> &mut [u8] {
-        match &mut self.storage {
-            Storage::Heap(v) => &mut v[self.offset..self.offset + self.len],
-            Storage::Mapped(m) => &mut m[..self.len],
-        }
+        self.storage.bytes_mut()
     }
 
     /// Bytes of one group (all its blocks).
@@ -330,11 +292,18 @@ pub struct QuantActs {
 }
 
 impl QuantActs {
-    /// Quantizes `n` rows of `cols` values from `x` (row-major), reusing buffers.
+    /// Quantizes `n` rows of `cols` values from `x` (row-major) with `isa`'s
+    /// instructions (the same bits on every instruction set), reusing buffers.
     ///
     /// # Errors
     /// [`KernelError::Shape`] when `cols` is not a multiple of [`QK`] or `x` is not `n * cols` long.
-    pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
+    pub fn quantize(
+        &mut self,
+        isa: Isa,
+        x: &[f32],
+        n: usize,
+        cols: usize,
+    ) -> Result<(), KernelError> {
         if !cols.is_multiple_of(QK) || x.len() != n * cols {
             return Err(KernelError::Shape(format!(
                 "cannot quantize {} values as {n} rows of {cols}",
@@ -348,18 +317,30 @@ impl QuantActs {
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
         self.qsum.resize(nb, 0);
-        // Rows are independent; large batches quantize in parallel.
+        let blocks: QuantizeBlocks = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => super::avx512::quantize_blocks,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::avx2::quantize_blocks,
+            _ => quantize_blocks,
+        };
+        // Rows are independent: two tasks per thread, so a batch of decodes does not
+        // quantize on one thread while the others wait for the product.
         let per_row = cols / QK;
-        let rows_per_task = 64usize;
+        let rows_per_task = n.div_ceil(2 * rayon::current_num_threads()).max(1);
         x.par_chunks(cols * rows_per_task)
             .zip(self.q.par_chunks_mut(cols * rows_per_task))
             .zip(self.d.par_chunks_mut(per_row * rows_per_task))
             .zip(self.s.par_chunks_mut(per_row * rows_per_task))
             .zip(self.qsum.par_chunks_mut(per_row * rows_per_task))
-            .for_each(|((((x, q), d), s), qsum)| quantize_blocks(x, q, d, s, qsum));
+            .for_each(|((((x, q), d), s), qsum)| blocks(x, q, d, s, qsum));
         Ok(())
     }
 }
+
+/// Quantizes whole blocks of [`QK`] values: `x` into `q`, with one `d`, `s` and
+/// `qsum` per block (the fields of [`QuantActs`]).
+pub(super) type QuantizeBlocks = fn(&[f32], &mut [i8], &mut [f32], &mut [f32], &mut [i32]);
 
 /// Rounds to nearest, ties to even, for |v| < 2^22: adding and subtracting
 /// 1.5 × 2^23 leaves no fraction bits, so the FPU's default rounding does it. This
@@ -371,21 +352,50 @@ fn round_even_small(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
-fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]) {
+/// A block's scale `d = amax / 127` and the factor `127 / amax` its values are
+/// multiplied by before rounding (0 for an all-zero block), as ggml computes them.
+#[inline(always)]
+pub(super) fn block_scale(amax: f32) -> (f32, f32) {
+    (amax / 127.0, if amax > 0.0 { 127.0 / amax } else { 0.0 })
+}
+
+/// Stores block `bi`'s `d`, `s = d * sum(q)` (both rounded to f16, as ggml's Q8_1
+/// stores them) and `sum(q)`.
+#[inline(always)]
+pub(super) fn store_block_sums(
+    bi: usize,
+    (dv, sum): (f32, i32),
+    d: &mut [f32],
+    s: &mut [f32],
+    qsum: &mut [i32],
+) {
+    d[bi] = round_f16(dv);
+    s[bi] = round_f16(dv * sum as f32);
+    qsum[bi] = sum;
+}
+
+/// [`QuantizeBlocks`] in portable Rust, the reference every instruction set's
+/// version equals bit for bit: a value that is not a number quantizes to 0, and an
+/// infinite one makes its block all 0 with an infinite scale.
+pub(super) fn quantize_blocks(
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    qsum: &mut [i32],
+) {
     for (bi, (xb, qb)) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let dv = amax / 127.0;
-        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let (dv, id) = block_scale(amax);
         let mut sum = 0i32;
         for (q, v) in qb.iter_mut().zip(xb) {
-            // |v * id| <= 127 (plus rounding), well inside the trick's range.
+            // |v * id| <= 127 (plus rounding), well inside the trick's range; NaN
+            // stays NaN through clamp and becomes 0 in the cast.
             let r = round_even_small(v * id).clamp(-127.0, 127.0) as i32;
             *q = r as i8;
             sum += r;
         }
-        d[bi] = round_f16(dv);
-        s[bi] = round_f16(dv * sum as f32);
-        qsum[bi] = sum;
+        store_block_sums(bi, (dv, sum), d, s, qsum);
     }
 }
 

@@ -93,7 +93,7 @@ proptest! {
         let x: Vec<f32> = (0..n * cols).map(|i| xs[i % xs.len()] * (1.0 + (i % 7) as f32 * 0.3)).collect();
         let (exact, bound) = reference(&dense, &x, rows, cols, n);
         let mut acts = QuantActs::default();
-        acts.quantize(&x, n, cols).unwrap();
+        acts.quantize(Isa::Scalar, &x, n, cols).unwrap();
         let mut results = Vec::new();
         for isa in Isa::all_available() {
             let mut out = vec![0f32; n * rows];
@@ -148,7 +148,7 @@ fn exact_product(
     )
     .unwrap();
     let mut acts = QuantActs::default();
-    acts.quantize(x, n, cols).unwrap();
+    acts.quantize(Isa::Scalar, x, n, cols).unwrap();
     let mut out = vec![0i64; n * rows];
     matmul_exact(isa, &packed, &acts, &mut out).unwrap();
     out
@@ -268,7 +268,8 @@ fn exact_products_saturate_huge_terms_and_refuse_too_many() {
     )
     .unwrap();
     let mut acts = QuantActs::default();
-    acts.quantize(&vec![0.5; wide], 1, wide).unwrap();
+    acts.quantize(Isa::Scalar, &vec![0.5; wide], 1, wide)
+        .unwrap();
     let err = matmul_exact(Isa::Scalar, &m, &acts, &mut [0i64; 1]).unwrap_err();
     assert!(matches!(err, KernelError::Unsupported(_)), "{err}");
 }
@@ -277,15 +278,15 @@ fn exact_products_saturate_huge_terms_and_refuse_too_many() {
 fn quantized_activations_follow_ggml() {
     let x: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
     let mut a = QuantActs::default();
-    a.quantize(&x, 1, 32).unwrap();
+    a.quantize(Isa::Scalar, &x, 1, 32).unwrap();
     assert_eq!(a.d[0], f16::from_f32(15.5 / 127.0).to_f32());
     assert_eq!(a.q[31], 127);
     assert_eq!(a.q[0], -127);
     assert_eq!(a.qsum[0], a.q.iter().map(|&q| i32::from(q)).sum::<i32>());
     let zeros = vec![0f32; 64];
-    a.quantize(&zeros, 2, 32).unwrap();
+    a.quantize(Isa::Scalar, &zeros, 2, 32).unwrap();
     assert!(a.q.iter().all(|&q| q == 0) && a.d.iter().all(|&d| d == 0.0));
-    assert!(a.quantize(&zeros, 1, 48).is_err());
+    assert!(a.quantize(Isa::Scalar, &zeros, 1, 48).is_err());
 }
 
 #[test]
@@ -312,7 +313,7 @@ fn mismatched_shapes_are_errors() {
     )
     .unwrap();
     let mut acts = QuantActs::default();
-    acts.quantize(&[0.5; 64], 1, 64).unwrap();
+    acts.quantize(Isa::Scalar, &[0.5; 64], 1, 64).unwrap();
     assert!(matmul(Isa::Scalar, &m, &acts, &mut [0.0; 2]).is_err());
     let f = [0u8; 8];
     assert!(
@@ -326,4 +327,39 @@ fn mismatched_shapes_are_errors() {
         )
         .is_err()
     );
+}
+
+proptest! {
+    #[test]
+    fn every_path_quantizes_activations_as_the_portable_code(
+        rows in 1usize..6,
+        blocks in 1usize..5,
+        seed in any::<u64>(),
+        specials in proptest::collection::vec((0usize..1000, 0usize..6), 0..4),
+    ) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let cols = blocks * QK;
+        let mut x: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-8.0f32..8.0) * 10f32.powi(rng.random_range(-3..3)))
+            .collect();
+        // Zero blocks, ties (ggml rounds 0.5 steps to even), and values that are not
+        // finite numbers must all come out the same.
+        let len = x.len();
+        x[..QK.min(len)].fill(0.0);
+        for (at, kind) in specials {
+            x[at % len] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 127.0, 0.5][kind];
+        }
+        let mut want = QuantActs::default();
+        want.quantize(Isa::Scalar, &x, rows, cols).unwrap();
+        for isa in Isa::all_available() {
+            let mut got = QuantActs::default();
+            got.quantize(isa, &x, rows, cols).unwrap();
+            prop_assert_eq!(&got.q, &want.q, "{:?}", isa);
+            prop_assert_eq!(&got.qsum, &want.qsum, "{:?}", isa);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&got.d), bits(&want.d), "{:?}", isa);
+            prop_assert_eq!(bits(&got.s), bits(&want.s), "{:?}", isa);
+        }
+    }
 }

@@ -208,7 +208,7 @@ impl Linear {
     ) -> Result<(), KernelError> {
         match self {
             Self::Packed(m) => {
-                acts.quantize(x, n, m.cols())?;
+                acts.quantize(isa, x, n, m.cols())?;
                 kernels::matmul(isa, m, acts, out)
             }
             Self::Dense { rows, cols, w } => {
@@ -248,7 +248,7 @@ impl Linear {
         use kernels::exact;
         match self {
             Self::Packed(m) => {
-                acts.quantize(x, n, m.cols())?;
+                acts.quantize(isa, x, n, m.cols())?;
                 kernels::matmul_exact(isa, m, acts, out)
             }
             Self::Dense { rows, cols, w } => {
