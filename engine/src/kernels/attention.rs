@@ -13,9 +13,12 @@
 //!
 //! The loops are plain Rust the compiler vectorizes, compiled again with AVX2 or
 //! AVX-512 enabled (`avx2::attend`, `avx512::attend`). Invariant: every path does the
-//! same operations in the same order (no fused multiply-adds, fixed reduction trees),
-//! so the result does not depend on the instruction set, nor on which other rows
-//! share a row's tile.
+//! same operations in the same order (fixed reduction trees; products accumulate by
+//! fused multiply-add, which rounds once on every path: the FMA instruction with AVX2
+//! and AVX-512, a correctly rounded `fmaf` on the portable one, slow only on the CPUs
+//! without FMA that take it), so the result does not depend on the instruction set,
+//! nor on which other rows share a row's tile. A multiply and an add were two vector
+//! operations per product, on a quarter of a prompt's time.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -58,7 +61,7 @@ impl KvLayout {
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+        *y = a.mul_add(*x, *y);
     }
 }
 
@@ -243,16 +246,31 @@ fn tile_body<const BS: usize, const HD: usize>(
                 2 => score_rows::<BS, HD, 2>(q, k, (bs, hd), scores),
                 _ => score_rows::<BS, HD, 1>(q, k, (bs, hd), scores),
             }
+            let mut visible = [0; ROWS];
+            let mut rescale = [1.0; ROWS];
             for j in 0..nr {
                 let row = r + j;
-                let n = bs.min(pos + row / group + 1 - start);
-                fold_block::<BS, HD>(
+                visible[j] = bs.min(pos + row / group + 1 - start);
+                rescale[j] = softmax_block::<BS>(
                     &mut scores[j * bs..][..bs],
-                    n,
-                    v,
+                    visible[j],
                     (&mut max[row], &mut sum[row]),
-                    &mut out[row * hd..][..hd],
                 );
+            }
+            let block = BlockWeights {
+                p: scores,
+                bs,
+                visible: &visible,
+                rescale: &rescale,
+            };
+            let outs = &mut out[r * hd..(r + nr) * hd];
+            // The rows' value sums advance together, each value row loaded once for
+            // all of them: one row alone was a chain of dependent multiply-adds.
+            match nr {
+                ROWS => add_values::<HD, ROWS>(&block, v, outs),
+                3 => add_values::<HD, 3>(&block, v, outs),
+                2 => add_values::<HD, 2>(&block, v, outs),
+                _ => add_values::<HD, 1>(&block, v, outs),
             }
             r += nr;
         }
@@ -294,17 +312,15 @@ fn prefetch(data: &[f16]) {
 }
 
 /// Folds one block into one query row's running softmax: `s` holds the row's
-/// scores for the block's slots, of which the first `n` are visible to it; `v` the
-/// block's values (at least `n` rows of `head_dim`); `o` the row's output
-/// accumulator, `max` and `sum` its running maximum and sum of weights.
+/// scores for the block's slots, of which the first `n` are visible to it, and
+/// becomes their weights; `max` and `sum` are the row's running maximum and sum of
+/// weights. Returns the factor the row's output accumulated so far must be scaled by.
 #[inline(always)]
-fn fold_block<const BS: usize, const HD: usize>(
+fn softmax_block<const BS: usize>(
     s: &mut [f32],
     n: usize,
-    v: &[f32],
     (max, sum): (&mut f32, &mut f64),
-    o: &mut [f32],
-) {
+) -> f32 {
     // Slots past the row's position weigh exactly 0, whatever their keys hold.
     for x in &mut s[n..] {
         *x = f32::NEG_INFINITY;
@@ -329,29 +345,64 @@ fn fold_block<const BS: usize, const HD: usize>(
     };
     // The running sum in f64, as ops::softmax_in_place sums.
     *sum = *sum * f64::from(rescale) + f64::from(block_sum);
+    rescale
+}
+
+/// One block's softmax weights for a run of query rows (from [`softmax_block`]).
+struct BlockWeights<'a> {
+    /// Row `j`'s weight of slot `i` is `p[j * bs + i]`.
+    p: &'a [f32],
+    bs: usize,
+    /// Slots each row sees.
+    visible: &'a [usize; ROWS],
+    /// Factor each row's output so far is scaled by first.
+    rescale: &'a [f32; ROWS],
+}
+
+/// Adds `NR` rows' weighted sums of one block's values (`v`, `head_dim` per slot)
+/// into their outputs `out` (`NR` rows of `head_dim`), after scaling each by its
+/// rescale factor. A row's operations and their order do not depend on `NR`, so a
+/// row's result is the same whichever rows share its run. `HD` is `head_dim` when
+/// known at compile time, 0 otherwise.
+#[inline(always)]
+fn add_values<const HD: usize, const NR: usize>(w: &BlockWeights<'_>, v: &[f32], out: &mut [f32]) {
+    let hd = out.len() / NR;
+    let most = w.visible[..NR].iter().copied().max().unwrap_or(0);
     if HD > 0 {
-        // A local accumulator stays in vector registers across the block's slots.
-        let mut acc = [0f32; HD];
-        acc.copy_from_slice(&o[..HD]);
-        if rescale != 1.0 {
-            for a in &mut acc {
-                *a *= rescale;
+        // Local accumulators stay in vector registers across the block's slots.
+        let mut acc = [[0f32; HD]; NR];
+        for (j, a) in acc.iter_mut().enumerate() {
+            a.copy_from_slice(&out[j * HD..][..HD]);
+            if w.rescale[j] != 1.0 {
+                for x in a.iter_mut() {
+                    *x *= w.rescale[j];
+                }
             }
         }
-        for (&p, vs) in s[..n].iter().zip(v.chunks_exact(HD)) {
-            for d in 0..HD {
-                acc[d] += p * vs[d];
+        for (slot, vs) in v.chunks_exact(HD).take(most).enumerate() {
+            for (j, a) in acc.iter_mut().enumerate() {
+                if slot < w.visible[j] {
+                    let p = w.p[j * w.bs + slot];
+                    for d in 0..HD {
+                        a[d] = p.mul_add(vs[d], a[d]);
+                    }
+                }
             }
         }
-        o[..HD].copy_from_slice(&acc);
+        for (j, a) in acc.iter().enumerate() {
+            out[j * HD..][..HD].copy_from_slice(a);
+        }
     } else {
-        if rescale != 1.0 {
-            for x in o.iter_mut() {
-                *x *= rescale;
+        for (j, o) in out.chunks_exact_mut(hd).enumerate() {
+            if w.rescale[j] != 1.0 {
+                for x in o.iter_mut() {
+                    *x *= w.rescale[j];
+                }
             }
-        }
-        for (&p, vs) in s[..n].iter().zip(v.chunks_exact(o.len())) {
-            axpy(o, p, vs);
+            let p = &w.p[j * w.bs..][..w.visible[j]];
+            for (&p, vs) in p.iter().zip(v.chunks_exact(hd)) {
+                axpy(o, p, vs);
+            }
         }
     }
 }
@@ -401,22 +452,37 @@ fn score_rows<const BS: usize, const HD: usize, const NR: usize>(
 ) {
     if BS > 0 && HD > 0 {
         // Fixed-size accumulators stay in vector registers, and each key row loaded
-        // serves all NR query rows.
-        let mut acc = [[0f32; BS]; NR];
+        // serves all NR query rows. Each row sums even and odd dimensions apart and
+        // adds the two at the end: one sum was a chain of HD dependent
+        // multiply-adds, each waiting for the last.
+        let mut even = [[0f32; BS]; NR];
+        let mut odd = [[0f32; BS]; NR];
         let k = &k[..HD * BS];
         // Rows of exactly HD, so indexing them by d < HD needs no bounds checks.
         let q: [&[f32]; NR] = std::array::from_fn(|j| &q[j * HD..][..HD]);
-        for d in 0..HD {
-            let row = &k[d * BS..][..BS];
-            for (a, qj) in acc.iter_mut().zip(&q) {
-                let qd = qj[d];
+        for d in (0..HD - 1).step_by(2) {
+            let (r0, r1) = (&k[d * BS..][..BS], &k[(d + 1) * BS..][..BS]);
+            for j in 0..NR {
+                let (q0, q1) = (q[j][d], q[j][d + 1]);
                 for s in 0..BS {
-                    a[s] += qd * row[s];
+                    even[j][s] = q0.mul_add(r0[s], even[j][s]);
+                    odd[j][s] = q1.mul_add(r1[s], odd[j][s]);
                 }
             }
         }
-        for (o, a) in out.chunks_exact_mut(BS).zip(&acc) {
-            o.copy_from_slice(a);
+        if HD % 2 == 1 {
+            let r0 = &k[(HD - 1) * BS..][..BS];
+            for j in 0..NR {
+                let q0 = q[j][HD - 1];
+                for s in 0..BS {
+                    even[j][s] = q0.mul_add(r0[s], even[j][s]);
+                }
+            }
+        }
+        for ((o, e), od) in out.chunks_exact_mut(BS).zip(&even).zip(&odd) {
+            for s in 0..BS {
+                o[s] = e[s] + od[s];
+            }
         }
     } else {
         for j in 0..NR {
@@ -424,7 +490,7 @@ fn score_rows<const BS: usize, const HD: usize, const NR: usize>(
             dst.fill(0.0);
             for (row, &qd) in k.chunks_exact(bs).zip(&q[j * hd..][..hd]) {
                 for (a, k) in dst.iter_mut().zip(row) {
-                    *a += qd * k;
+                    *a = qd.mul_add(*k, *a);
                 }
             }
         }

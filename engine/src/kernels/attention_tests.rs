@@ -214,7 +214,8 @@ fn slots_past_the_context_are_never_read_into_the_result() {
 
 #[test]
 fn every_isa_gives_the_same_bits() {
-    // Same operations in the same order on every path (no fused multiply-adds),
+    // Same operations in the same order on every path (each fused multiply-add
+    // rounds once everywhere),
     // so forcing an instruction set never changes a token.
     let case = Case::new((16, 64, 3, 3), 21, 16, 3);
     let scalar = case.run(Isa::Scalar);
