@@ -1,6 +1,6 @@
 //! AVX-512 VNNI integer kernel over the packed layout (see [`super::pack`]).
 //!
-//! For one group of 16 rows and a tile of up to four activation rows, each block
+//! For one group of 16 rows and a tile of up to eight activation rows, each block
 //! costs eight `vpdpbusd` per activation row (u8 weights × i8 activations, 64 MACs
 //! each), one conversion and two FMAs; the unpacked weight vectors are reused across
 //! the tile. Callers must have checked [`available`] first.
@@ -47,13 +47,18 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out:
     let nibble = w.kind() == PackedKind::Nibble;
     let mut t = acts.start;
     while t < acts.end {
-        let nt = (acts.end - t).min(4);
+        // Eight rows share each block's unpacked weights where there are eight:
+        // the unpacking is a quarter of a four-row tile's vector operations.
+        let left = acts.end - t;
+        let nt = if left >= 8 { 8 } else { left.min(4) };
         let i = t - acts.start;
         let o = &mut out[i * GROUP..(i + nt) * GROUP];
         // SAFETY: the features were checked above; shapes (group in range, activation
         // rows t..t+nt within x, o holding nt*16 floats) were asserted above.
         unsafe {
             match (nt, nibble) {
+                (8, true) => tile::<8, true>(w, g, x, t, o),
+                (8, false) => tile::<8, false>(w, g, x, t, o),
                 (4, true) => tile::<4, true>(w, g, x, t, o),
                 (4, false) => tile::<4, false>(w, g, x, t, o),
                 (3, true) => tile::<3, true>(w, g, x, t, o),
