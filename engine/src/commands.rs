@@ -389,7 +389,7 @@ fn bench_group(
         },
     )?;
     let report = model_bench::run(&mut runner, config, &sent)?;
-    loopback::finish(runner, workers).map_err(anyhow::Error::msg)?;
+    loopback::finish(runner, workers)?;
     Ok((report, file))
 }
 

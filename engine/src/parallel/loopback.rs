@@ -19,6 +19,7 @@ use super::layout::ParallelLayout;
 use super::pipeline::{PipelineError, PipelineRunner, StageRunner, run_worker};
 use super::tcp::{TcpConfig, TcpTransport};
 use super::transport::{FrameKind, Transport, TransportError};
+use crate::backend::BackendError;
 use crate::backend::cpu::CpuConfig;
 use crate::model::gguf::GgufFile;
 
@@ -93,6 +94,24 @@ where
     Ok((runner, workers))
 }
 
+/// Why a loopback group did not end cleanly ([`finish`]).
+#[derive(Debug, thiserror::Error)]
+pub enum FinishError {
+    /// The leader could not tell the workers to stop.
+    #[error("stopping the group: {0}")]
+    Stop(#[source] BackendError),
+    /// A worker rank returned an error.
+    #[error("rank {rank} failed: {source}")]
+    Worker {
+        rank: usize,
+        #[source]
+        source: PipelineError,
+    },
+    /// A worker rank's thread panicked.
+    #[error("rank {0}'s thread panicked")]
+    Panicked(usize),
+}
+
 /// Stops the group and waits for every worker, returning the first worker's error.
 ///
 /// # Errors
@@ -100,16 +119,14 @@ where
 pub fn finish<T: Transport<Tensor = [f32], SumTensor = [i64]> + Send>(
     mut runner: PipelineRunner<T>,
     workers: Vec<Worker>,
-) -> Result<(), String> {
-    runner
-        .stop()
-        .map_err(|e| format!("stopping the group: {e}"))?;
+) -> Result<(), FinishError> {
+    runner.stop().map_err(FinishError::Stop)?;
     for (i, w) in workers.into_iter().enumerate() {
         let rank = i + 1;
         match w.join() {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(format!("rank {rank} failed: {e}")),
-            Err(_) => return Err(format!("rank {rank}'s thread panicked")),
+            Ok(Err(source)) => return Err(FinishError::Worker { rank, source }),
+            Err(_) => return Err(FinishError::Panicked(rank)),
         }
     }
     Ok(())
