@@ -8,8 +8,8 @@
 #   bench-serving       Slipway vs llama-server on the issue's two workloads (a: prompts
 #                       64-512, outputs 32-128 tokens; b: the same, 50% sharing a 256-token
 #                       system prompt): slot probe, four sweeps, side-by-side tables, ratios,
-#                       plots under ~/.cache/slipway/bench-results/<time>/ (~20-25 min once
-#                       built, 30 min at most; QUICK=1: a ~4 min smoke run)
+#                       plots under ~/.cache/slipway/bench-results/<time>/ (~30-35 min once
+#                       built, 45 min at most; QUICK=1: a ~4 min smoke run)
 #   bench-router        slipway-router's policies (round-robin, least-in-flight, cost) on two
 #                       engines: workloads P (8 tenants' system prompts, small KV pools), U
 #                       (no sharing), H (one hot prefix), P with the default pool, and the
@@ -26,7 +26,7 @@ bench-llama-server: ## build llama.cpp's llama-server from the llama-cpp-python 
 bench-e2e: ## a short real sweep against llama-server on the real model (summary, records, plot)
 	bench/scripts/bench-e2e
 
-bench-serving: ## Slipway vs llama-server: same model, threads, workloads (a, b: 50% shared prefix) and SLO; side-by-side table, ratios, plots (~25 min; QUICK=1 ~4 min)
+bench-serving: ## Slipway vs llama-server: same model, threads, workloads (a, b: 50% shared prefix) and SLO; side-by-side table, ratios, plots (~35 min; QUICK=1 ~4 min)
 	bench/scripts/bench-serving
 
 .PHONY: bench-capacity

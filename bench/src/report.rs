@@ -155,8 +155,14 @@ pub fn sweep_table(r: &SweepResult) -> String {
         Some(f) => {
             let _ = writeln!(
                 o,
-                "frontier: {:.3} req/s offered, SLO-goodput {:.3} req/s",
-                f.rate, f.goodput_rps
+                "frontier: {:.3} req/s offered, SLO-goodput {:.3} req/s{}",
+                f.rate,
+                f.goodput_rps,
+                if r.frontier_is_lower_bound() {
+                    " (every rate passed: a lower bound; offer higher rates to find it)"
+                } else {
+                    ""
+                }
             );
         }
         None => {
@@ -409,6 +415,20 @@ pub fn compare_table(a: &SweepResult, b: &SweepResult) -> String {
         &c.goodput_frontier_rps,
         &rate,
     );
+    for (name, sweep) in [(&c.ours, a), (&c.peer, b)] {
+        if let Some(top) = sweep
+            .frontier
+            .as_ref()
+            .filter(|_| sweep.frontier_is_lower_bound())
+        {
+            let _ = writeln!(
+                o,
+                "  {name} passed every rate up to {:.3} req/s: its frontier is a lower bound, \
+and so is any ratio it is in",
+                top.rate
+            );
+        }
+    }
     if let (Some(r), Some(lo)) = (
         c.goodput_frontier_ratio_at_least,
         b.sorted_points().first().map(|p| p.rate),
@@ -586,6 +606,15 @@ mod tests {
         assert!(t.contains("3.95×"), "{t}");
         assert!(t.contains("at equal offered load 0.200"), "{t}");
         assert!(t.contains("2.00×"), "TTFT P99 ratio peer/ours: {t}");
+        // Ours never failed: its frontier is only the top of the ladder, and says so.
+        assert!(
+            t.contains("ours passed every rate up to 0.800 req/s"),
+            "{t}"
+        );
+        assert!(!t.contains("peer passed every rate"), "{t}");
+        assert!(ours.frontier_is_lower_bound() && !peer.frontier_is_lower_bound());
+        assert!(sweep_table(&ours).contains("every rate passed: a lower bound"));
+        assert!(!sweep_table(&peer).contains("lower bound"));
         let s = summary_table("x", &peer.points[1].summary);
         assert!(s.contains("inf"), "{s}");
         assert_eq!(compare(&ours, &peer).goodput_frontier_ratio_at_least, None);

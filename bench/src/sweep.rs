@@ -119,6 +119,13 @@ pub struct Frontier {
 }
 
 impl SweepResult {
+    /// Whether every rate tried passed the SLO: the frontier is then only the highest
+    /// rate offered, a lower bound of the real one.
+    #[must_use]
+    pub fn frontier_is_lower_bound(&self) -> bool {
+        self.frontier.is_some() && self.points.iter().all(|p| p.summary.slo_pass)
+    }
+
     /// Fills `frontier` from the points.
     pub fn compute_frontier(&mut self) {
         let done: Vec<(f64, bool)> = self
