@@ -209,7 +209,8 @@ fn tile_body<const BS: usize, const HD: usize>(
     let blocks = &table[..=last / bs];
     for (bi, &block) in blocks.iter().enumerate() {
         let start = bi * bs;
-        // The blocks PREFETCH_AHEAD on are requested now (the first ones before the loop).
+        // Request the block PREFETCH_AHEAD past this one; on the first block, every
+        // block up to there.
         let ahead = if bi == 0 {
             1..=PREFETCH_AHEAD
         } else {
