@@ -33,9 +33,9 @@ use serde_json::{Value, json};
 use slipway_api::testing::condition_status;
 use slipway_contract::{EngineCommand, GROUP_PORT, GroupArgs};
 use slipway_e2e::build::cargo_build;
+use slipway_e2e::process::Supervised;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
-use slipway_engine::testing::ChildGuard;
 
 type TestFuture = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 type TestFn = fn(Arc<Env>) -> TestFuture;
@@ -147,10 +147,10 @@ fn build_operator() -> anyhow::Result<PathBuf> {
     Ok(BUILT.get_or_init(|| path).clone())
 }
 
-/// An operator process; killed (SIGKILL) and reaped when dropped.
+/// An operator process, restarted when it exits as its Deployment would restart it
+/// (see [`Supervised`]); killed (SIGKILL) and reaped when dropped.
 struct Operator {
-    process: ChildGuard,
-    log: PathBuf,
+    process: Supervised,
 }
 
 impl Operator {
@@ -165,33 +165,21 @@ impl Operator {
             .workdir()
             .join("operator-logs")
             .join(format!("{namespace}-{name}.log"));
-        if let Some(dir) = log.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let file = std::fs::File::create(&log)?;
-        let process = ChildGuard::spawn(
-            "slipway-operator",
-            Command::new(&env.operator_bin)
-                .env("KUBECONFIG", identity.kubeconfig())
+        let (bin, kubeconfig) = (env.operator_bin.clone(), identity.kubeconfig().to_owned());
+        let (namespace, name) = (namespace.to_owned(), name.to_owned());
+        let launch = move || {
+            let mut command = Command::new(&bin);
+            command
+                .env("KUBECONFIG", &kubeconfig)
                 .env("RUST_LOG", "info,slipway_operator=debug")
-                .args([
-                    "--namespace",
-                    namespace,
-                    "--lease-namespace",
-                    namespace,
-                    "--identity",
-                    name,
-                    "--metrics-addr",
-                    "127.0.0.1:0",
-                    "--lease-duration-seconds",
-                    &LEASE_SECONDS.to_string(),
-                    "--lease-retry-seconds",
-                    &RETRY_SECONDS.to_string(),
-                ])
-                .stdout(file.try_clone()?)
-                .stderr(file),
-        )?;
-        Ok(Self { process, log })
+                .args(["--namespace", &namespace, "--lease-namespace", &namespace])
+                .args(["--identity", &name, "--metrics-addr", "127.0.0.1:0"])
+                .args(["--lease-duration-seconds", &LEASE_SECONDS.to_string()])
+                .args(["--lease-retry-seconds", &RETRY_SECONDS.to_string()]);
+            command
+        };
+        let process = Supervised::start("slipway-operator", Box::new(launch), &log)?;
+        Ok(Self { process })
     }
 
     fn kill(&mut self) {
@@ -199,7 +187,12 @@ impl Operator {
     }
 
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.log_text()
+    }
+
+    /// Its restarts and last log lines, for a failure message.
+    fn describe(&self) -> String {
+        self.process.describe(20)
     }
 }
 
@@ -452,7 +445,7 @@ fn env_of(pod: &Pod) -> BTreeMap<String, String> {
 
 async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> anyhow::Result<()> {
     let setup = setup(&env).await?;
-    let _operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
+    let operator = Operator::start(&env, &setup.identity, setup.ns(), "op-a")?;
     setup.apply(&gpu_service(setup.ns(), "big", 8, 2)?).await?;
     setup.apply(&gpu_service(setup.ns(), "mid", 4, 2)?).await?;
     // On CPU a group is one pod per rank: tensor 3 × pipeline 2 is six pods.
@@ -561,13 +554,13 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
         .delete("big-g0-r1", &DeleteParams::default())
         .await?;
     let pods_api = setup.pods();
-    let old_uids = old.clone();
+    let seen = Arc::new(std::sync::Mutex::new(String::from("nothing listed yet")));
+    let last_seen = Arc::clone(&seen);
     wait::poll(
         "both ranks of big-g0 recreated and ready",
         CONVERGE,
         || {
-            let pods_api = pods_api.clone();
-            let old_uids = old_uids.clone();
+            let (pods_api, old, seen) = (pods_api.clone(), old.clone(), Arc::clone(&seen));
             async move {
                 let list = pods_api
                     .list(
@@ -575,19 +568,46 @@ async fn multi_pod_groups_are_co_located_and_recreated_whole(env: Arc<Env>) -> a
                             .labels(&format!("app.kubernetes.io/instance=big,{ENGINES}")),
                     )
                     .await?;
+                let is_new = |p: &Pod| p.metadata.uid.as_ref().is_some_and(|u| !old.contains(u));
                 let fresh = list.items.len() == 2
                     && list.items.iter().all(|p| {
-                        p.metadata.deletion_timestamp.is_none()
-                            && pod_ready(p)
-                            && p.metadata
-                                .uid
-                                .as_ref()
-                                .is_some_and(|u| !old_uids.contains(u))
+                        p.metadata.deletion_timestamp.is_none() && pod_ready(p) && is_new(p)
                     });
+                let summary: Vec<String> = list
+                    .items
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{} ({}, {}, ready {}, phase {:?}, node {:?})",
+                            p.name_any(),
+                            if is_new(p) { "new" } else { "old" },
+                            if p.metadata.deletion_timestamp.is_some() {
+                                "terminating"
+                            } else {
+                                "live"
+                            },
+                            pod_ready(p),
+                            p.status.as_ref().and_then(|s| s.phase.clone()),
+                            p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                        )
+                    })
+                    .collect();
+                *seen
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    format!("pods [{}]", summary.join("; "));
                 Ok(fresh.then_some(()))
             }
         },
-        || "old pods still present".to_owned(),
+        || {
+            format!(
+                "{}\n{}",
+                last_seen
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                operator.describe()
+            )
+        },
     )
     .await?;
     setup.ensure_no_forbidden()

@@ -52,6 +52,7 @@ use slipway_api::testing::condition;
 use slipway_contract::metrics::{OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, counter_total};
 use slipway_contract::{FaultArgs, ServeArgs};
 use slipway_e2e::build::{cargo_build, cargo_build_features};
+use slipway_e2e::process::Supervised;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests};
 use slipway_engine::testing::{ChildGuard, EngineProcess, MODEL_FILE, serve_args_with_model};
@@ -570,12 +571,24 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
     )?;
     let prom_url = format!("http://127.0.0.1:{prom_port}");
 
-    let _operator = spawn_logged(
-        "slipway-operator",
-        Command::new(&tools.operator)
-            .env("KUBECONFIG", identity.kubeconfig())
+    // Restarted when it exits, as its Deployment would be: with a 6 s lease a stalled
+    // API server makes it exit on purpose (see `slipway_e2e::process`).
+    let (operator_bin, kubeconfig, operator_ns) = (
+        tools.operator.clone(),
+        identity.kubeconfig().to_owned(),
+        ns.clone(),
+    );
+    let launch = move || {
+        let mut command = Command::new(&operator_bin);
+        command
+            .env("KUBECONFIG", &kubeconfig)
             .env("RUST_LOG", "info,slipway_operator=debug")
-            .args(["--namespace", &ns, "--lease-namespace", &ns])
+            .args([
+                "--namespace",
+                &operator_ns,
+                "--lease-namespace",
+                &operator_ns,
+            ])
             .args(["--identity", "rollout-e2e", "--metrics-addr"])
             .arg(format!("127.0.0.1:{operator_port}"))
             .args([
@@ -583,7 +596,12 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
                 "6",
                 "--lease-retry-seconds",
                 "1",
-            ]),
+            ]);
+        command
+    };
+    let _operator = Supervised::start(
+        "slipway-operator",
+        Box::new(launch),
         &logs.join("operator.log"),
     )?;
     let resource = ApiResource::from_gvk_with_plural(
