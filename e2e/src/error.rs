@@ -68,17 +68,4 @@ pub enum Error {
         timeout: Duration,
         last_seen: String,
     },
-    /// A supervised host process could not be started (see [`crate::process`]).
-    #[error(transparent)]
-    Process(#[from] slipway_engine::testing::ProcessError),
-}
-
-impl Error {
-    /// An [`Error::Io`] on `path`.
-    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
-        Self::Io {
-            path: path.to_owned(),
-            source,
-        }
-    }
 }

@@ -17,8 +17,6 @@
 //! - [`real_nodes`] finds the real nodes (kubelet + containerd), places pods on
 //!   them, signals their containers, stops their kubelets, and gives pods the
 //!   model through a claim.
-//! - [`process`] restarts a host process (the operator) when it exits, as a
-//!   kubelet would.
 //! - [`packaging`] renders the Helm chart and the kustomization (`manifests/`) and
 //!   compares their objects.
 //!
@@ -34,7 +32,6 @@ mod error;
 pub mod manifests;
 mod namespace;
 pub mod packaging;
-pub mod process;
 pub mod rbac;
 pub mod real_nodes;
 pub mod sockets;

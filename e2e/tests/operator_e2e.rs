@@ -33,9 +33,9 @@ use serde_json::{Value, json};
 use slipway_api::testing::condition_status;
 use slipway_contract::{EngineCommand, GROUP_PORT, GroupArgs};
 use slipway_e2e::build::cargo_build;
-use slipway_e2e::process::Supervised;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
+use slipway_engine::testing::Supervised;
 
 type TestFuture = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 type TestFn = fn(Arc<Env>) -> TestFuture;

@@ -52,10 +52,11 @@ use slipway_api::testing::condition;
 use slipway_contract::metrics::{OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, counter_total};
 use slipway_contract::{FaultArgs, ServeArgs};
 use slipway_e2e::build::{cargo_build, cargo_build_features};
-use slipway_e2e::process::Supervised;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests};
-use slipway_engine::testing::{ChildGuard, EngineProcess, MODEL_FILE, serve_args_with_model};
+use slipway_engine::testing::{
+    ChildGuard, EngineProcess, MODEL_FILE, Supervised, serve_args_with_model,
+};
 
 const MODEL_NAME: &str = "smol";
 const ISVC: &str = "smollm2";
@@ -572,7 +573,7 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
     let prom_url = format!("http://127.0.0.1:{prom_port}");
 
     // Restarted when it exits, as its Deployment would be: with a 6 s lease a stalled
-    // API server makes it exit on purpose (see `slipway_e2e::process`).
+    // API server makes it exit on purpose (see `slipway_engine::testing::Supervised`).
     let (operator_bin, kubeconfig, operator_ns) = (
         tools.operator.clone(),
         identity.kubeconfig().to_owned(),

@@ -1,7 +1,9 @@
 //! Test fixtures shared by unit tests, integration tests and benchmarks: where the
 //! real model and llama.cpp's reference outputs live, and the engine as a child
 //! process ([`EngineProcess`]: started from a typed [`ServeArgs`], ready once it
-//! prints the readiness line of [`slipway_contract::listening`], killed on drop).
+//! prints the readiness line of [`slipway_contract::listening`], killed on drop), and a
+//! host process restarted when it exits as a kubelet would ([`Supervised`]: the e2e
+//! tests' operators).
 //!
 //! Built only with the `testing` feature (and for this crate's unit tests): the
 //! release binary never carries it. Other crates' dev-dependencies turn it on.
@@ -27,6 +29,9 @@ use std::time::{Duration, Instant};
 use slipway_contract::{EngineCommand, ServeArgs, listening};
 
 use crate::template::ChatMessage;
+
+mod supervised;
+pub use supervised::{Launch, Supervised};
 
 /// File name of the test model.
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -210,6 +215,12 @@ pub enum ProcessError {
         prefix = listening::PREFIX
     )]
     NotListening { name: String, status: String },
+    #[error("the log of a supervised process, {path}: {source}")]
+    Log {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A child process that is killed (SIGKILL, by its own handle, never by name) and

@@ -17,9 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use slipway_engine::testing::ChildGuard;
-
-use crate::{Error, Result};
+use super::{ChildGuard, ProcessError};
 
 /// How often the supervisor looks at the process, and how long it waits before a
 /// restart (a process that exits at once is not restarted in a hot loop).
@@ -49,13 +47,13 @@ impl Supervised {
     /// Starts `launch()` with its output in `log` (created afresh) and supervises it.
     ///
     /// # Errors
-    /// [`Error::Io`] when the log cannot be created, [`Error::Process`] when the first
-    /// run cannot start.
-    pub fn start(name: &str, launch: Launch, log: &Path) -> Result<Self> {
+    /// [`ProcessError::Log`] when the log cannot be created, [`ProcessError::Spawn`]
+    /// when the first run cannot start.
+    pub fn start(name: &str, launch: Launch, log: &Path) -> Result<Self, ProcessError> {
         if let Some(dir) = log.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| Error::io(dir, source))?;
+            std::fs::create_dir_all(dir).map_err(|source| log_error(dir, source))?;
         }
-        let file = File::create(log).map_err(|source| Error::io(log, source))?;
+        let file = File::create(log).map_err(|source| log_error(log, source))?;
         let child = spawn(name, &launch, file, log)?;
         let shared = Arc::new(Shared {
             name: name.to_owned(),
@@ -69,17 +67,11 @@ impl Supervised {
         let supervisor = std::thread::Builder::new()
             .name(format!("supervise {name}"))
             .spawn(move || supervise(&watched))
-            .map_err(|source| Error::io(log, source))?;
+            .map_err(|source| log_error(log, source))?;
         Ok(Self {
             shared,
             supervisor: Some(supervisor),
         })
-    }
-
-    /// The log every run writes to.
-    #[must_use]
-    pub fn log(&self) -> &Path {
-        &self.shared.log
     }
 
     /// The whole log (empty when it cannot be read).
@@ -133,10 +125,17 @@ impl Drop for Supervised {
     }
 }
 
-fn spawn(name: &str, launch: &Launch, file: File, log: &Path) -> Result<ChildGuard> {
-    let stderr = file.try_clone().map_err(|source| Error::io(log, source))?;
+fn log_error(path: &Path, source: std::io::Error) -> ProcessError {
+    ProcessError::Log {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn spawn(name: &str, launch: &Launch, file: File, log: &Path) -> Result<ChildGuard, ProcessError> {
+    let stderr = file.try_clone().map_err(|source| log_error(log, source))?;
     let mut command = launch();
-    ChildGuard::spawn(name, command.stdout(file).stderr(stderr)).map_err(Error::Process)
+    ChildGuard::spawn(name, command.stdout(file).stderr(stderr))
 }
 
 fn supervise(shared: &Shared) {
@@ -170,7 +169,7 @@ fn supervise(shared: &Shared) {
                 )?;
                 Ok(file)
             })
-            .map_err(|source| Error::io(&shared.log, source))
+            .map_err(|source| log_error(&shared.log, source))
             .and_then(|file| spawn(&shared.name, &shared.launch, file, &shared.log));
         match restarted {
             Ok(process) => *child = Some(process),
