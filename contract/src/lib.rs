@@ -1,6 +1,7 @@
 //! The contract between the Slipway operator and the engine it runs: everything that
 //! crosses the pod boundary as a command line, a port, an HTTP path, an exit code or a
-//! metric name.
+//! metric name. The operator's own command line ([`OperatorArgs`]) is here too: its
+//! Deployment and the tests that start it are its callers.
 //!
 //! Both sides use these types: the engine's `main` parses its `serve` and `fetch`
 //! subcommands with [`EngineCommand`], and the operator builds every container's
@@ -16,7 +17,9 @@
 //!
 //! Units: every duration on the command line is whole milliseconds (flags end in
 //! `-ms`) and goes through [`units::parse_millis`]; the user's `1m30s` style stays in
-//! the CRD and is converted by the operator. Sizes take binary or decimal suffixes
+//! the CRD and is converted by the operator. The one exception is the operator's lease
+//! timings, whole seconds as its Deployment has always passed them
+//! ([`units::parse_seconds`]). Sizes take binary or decimal suffixes
 //! ([`units::parse_size`]).
 
 pub mod backoff;
@@ -25,6 +28,7 @@ pub mod group;
 pub mod labels;
 pub mod lora;
 pub mod metrics;
+pub mod operator;
 pub mod router;
 pub mod serve;
 pub mod telemetry;
@@ -34,6 +38,7 @@ pub use backoff::Backoff;
 pub use fetch::{FetchArgs, InvalidSha256, Sha256Digest};
 pub use group::{GROUP_PORT, GROUP_PORT_NAME, GroupArgs, GroupArgsError, HostPort};
 pub use lora::{LoraAdapter, LoraModule, NamedSha256};
+pub use operator::OperatorArgs;
 pub use router::{LoadReport, RoutePolicy, RouterArgs};
 #[cfg(feature = "fault-injection")]
 pub use serve::FaultArgs;

@@ -603,3 +603,157 @@ fn outcome_regexes_list_the_label_values_in_order() {
         "rejected_429|rejected_503"
     );
 }
+
+fn operator_args() -> impl Strategy<Value = OperatorArgs> {
+    let seconds = || (0u64..1_000_000).prop_map(Duration::from_secs);
+    (
+        (any::<[u8; 4]>(), any::<u16>()),
+        (
+            word(),
+            word(),
+            proptest::option::of(word()),
+            proptest::option::of(word()),
+        ),
+        (seconds(), seconds()),
+        log_args(),
+        proptest::option::of(url()),
+        "-?[a-z0-9./-]{1,30}(:[a-z0-9.]{1,8})?",
+    )
+        .prop_map(
+            |(
+                (ip, port),
+                (lease_namespace, lease_name, identity, namespace),
+                (lease_duration, lease_retry),
+                logs,
+                otlp_endpoint,
+                router_image,
+            )| OperatorArgs {
+                metrics_addr: std::net::SocketAddr::from((ip, port)),
+                lease_namespace,
+                lease_name,
+                identity,
+                namespace,
+                lease_duration,
+                lease_retry,
+                logs,
+                otlp_endpoint,
+                router_image,
+            },
+        )
+}
+
+proptest! {
+    #[test]
+    fn operator_args_round_trip_every_field(args in operator_args()) {
+        let parsed = OperatorArgs::parse_args(args.to_args());
+        prop_assert_eq!(parsed.map_err(|e| e.to_string()), Ok(args));
+    }
+}
+
+#[test]
+fn operator_defaults_are_the_parsers_and_the_deployments_flags_keep_their_names() {
+    // The Deployment's flags, as manifests/ and the chart have always written them.
+    let parsed = OperatorArgs::parse_args([
+        "--metrics-addr=0.0.0.0:8080",
+        "--lease-duration-seconds=15",
+        "--lease-retry-seconds=2",
+        "--log-format=json",
+        "--router-image=ghcr.io/slipway-dev/slipway-router:0.1.0",
+        "--lease-namespace",
+        "slipway-system",
+        "--identity",
+        "slipway-operator-0",
+    ])
+    .expect("the Deployment's flags");
+    assert_eq!(
+        parsed,
+        OperatorArgs {
+            metrics_addr: "0.0.0.0:8080".parse().expect("an address"),
+            identity: Some("slipway-operator-0".to_owned()),
+            logs: LogArgs {
+                log_format: Some(LogFormat::Json),
+            },
+            ..OperatorArgs::default()
+        }
+    );
+    // Without flags, the flags that no environment variable can set take the same
+    // defaults as `Default` (the others depend on the test's environment).
+    let bare = OperatorArgs::parse_args(Vec::<String>::new()).expect("no flags");
+    let defaults = OperatorArgs::default();
+    assert_eq!(bare.lease_name, defaults.lease_name);
+    assert_eq!(bare.lease_duration, Duration::from_secs(15));
+    assert_eq!(bare.lease_retry, Duration::from_secs(2));
+    assert_eq!(bare.otlp_endpoint, None);
+    for (variable, from_env, default) in [
+        (
+            "SLIPWAY_METRICS_ADDR",
+            bare.metrics_addr.to_string(),
+            "127.0.0.1:8080".to_owned(),
+        ),
+        (
+            "POD_NAMESPACE",
+            bare.lease_namespace.clone(),
+            "slipway-system".to_owned(),
+        ),
+        (
+            "SLIPWAY_ROUTER_IMAGE",
+            bare.router_image.clone(),
+            defaults.router_image.clone(),
+        ),
+    ] {
+        if std::env::var_os(variable).is_none() {
+            assert_eq!(from_env, default, "{variable} is unset");
+        }
+    }
+    assert_eq!(
+        defaults.to_args(),
+        [
+            "--metrics-addr=127.0.0.1:8080",
+            "--lease-namespace=slipway-system",
+            "--lease-name=slipway-operator",
+            "--lease-duration-seconds=15",
+            "--lease-retry-seconds=2",
+            "--router-image=ghcr.io/slipway-dev/slipway-router:0.1.0",
+        ]
+    );
+}
+
+#[test]
+fn operator_refuses_unknown_flags_bad_values_and_repeats() {
+    for bad in [
+        &["--lease-duration=15"][..],
+        &["--lease-duration-seconds=15s"],
+        &["--lease-retry-seconds=-1"],
+        &["--metrics-addr=localhost"],
+        &["--otlp-endpoint=collector:4318"],
+        &["--log-format=yaml"],
+        &["--lease-name=a", "--lease-name=b"],
+    ] {
+        let error = OperatorArgs::parse_args(bad).expect_err("refused");
+        assert_ne!(
+            error.kind(),
+            clap::error::ErrorKind::DisplayHelp,
+            "{bad:?}: {error}"
+        );
+    }
+    let error = OperatorArgs::parse_args(["--lease-duration=15"]).expect_err("misspelt");
+    assert_eq!(error.kind(), clap::error::ErrorKind::UnknownArgument);
+    assert_eq!(error.exit_code(), exit::USAGE);
+}
+
+#[test]
+fn operator_help_explains_leader_election_and_its_environment() {
+    let mut cmd =
+        <OperatorArgs as clap::Args>::augment_args(clap::Command::new("slipway-operator"));
+    let help = cmd.render_long_help().to_string();
+    for needle in [
+        "--lease-duration-seconds <SECONDS>",
+        "[env: POD_NAME=",
+        "[env: POD_NAMESPACE=",
+        "[default: 127.0.0.1:8080]",
+        "Leader election:",
+        "SIGTERM",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle:?}:\n{help}");
+    }
+}

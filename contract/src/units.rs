@@ -27,6 +27,31 @@ pub fn format_millis(d: Duration) -> String {
     ms.to_string()
 }
 
+/// Parses a duration flag in whole seconds (`15`), digits only: the operator's lease
+/// flags, which predate the milliseconds convention and which its Deployment passes.
+///
+/// # Errors
+/// A message for anything else, `1.5`, `2s` and `-1` included.
+pub fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!(
+            "`{s}` is not a whole number of seconds (the flag's unit is seconds)"
+        ));
+    }
+    t.parse::<u64>()
+        .map(Duration::from_secs)
+        .map_err(|_| format!("`{s}` seconds is out of range"))
+}
+
+/// Writes a duration for [`parse_seconds`]: whole seconds, rounded up so a bound is
+/// never shortened.
+#[must_use]
+pub fn format_seconds(d: Duration) -> String {
+    let s = d.as_secs().saturating_add(u64::from(d.subsec_nanos() != 0));
+    s.to_string()
+}
+
 /// Parses a byte size: a number with an optional K/M/G/T suffix, binary (KiB, MiB,
 /// ...) or decimal (KB, MB, ...; bare K/M/G/T are binary).
 ///
@@ -104,5 +129,25 @@ mod tests {
         assert_eq!(format_millis(Duration::from_millis(41_000)), "41000");
         // A fraction of a millisecond rounds up: a budget is never cut short.
         assert_eq!(format_millis(Duration::from_micros(1500)), "2");
+    }
+
+    #[test]
+    fn seconds_are_digits_only_and_round_trip() {
+        assert_eq!(parse_seconds("15"), Ok(Duration::from_secs(15)));
+        assert_eq!(parse_seconds("0"), Ok(Duration::ZERO));
+        for bad in [
+            "",
+            "1.5",
+            "2s",
+            "-1",
+            "+1",
+            "1m30s",
+            "99999999999999999999999",
+        ] {
+            assert!(parse_seconds(bad).is_err(), "{bad}");
+        }
+        assert_eq!(format_seconds(Duration::from_secs(15)), "15");
+        // A fraction of a second rounds up: a lease is never cut short.
+        assert_eq!(format_seconds(Duration::from_millis(1500)), "2");
     }
 }

@@ -7,6 +7,10 @@
 //! nowhere else: Helm's own labels ([`HELM_LABELS`]) and the objects only the
 //! kustomization has ([`ONLY_IN_KUSTOMIZATION`]).
 //!
+//! The operator's Deployment carries the operator's command line, which YAML cannot type:
+//! [`Rendered::operator_args`] parses its container's `args` with the operator's own
+//! parser ([`OperatorArgs`]), so a flag the operator does not know fails a test here.
+//!
 //! Helm is the binary `SLIPWAY_HELM` names (the Makefile builds it from its Go module and
 //! sets it). When it is unset or not there, [`Helm::from_env`] fails; nothing is skipped.
 
@@ -17,6 +21,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
+use slipway_contract::OperatorArgs;
 
 use crate::cluster::{Cluster, KUBECTL_TIMEOUT, run_bounded};
 use crate::error::{Error, Result};
@@ -58,6 +63,17 @@ pub fn kustomization_dir() -> PathBuf {
     repo_root().join("manifests")
 }
 
+/// `manifests/operator/deployment.yaml`: the operator's Deployment in the kustomization.
+pub fn operator_deployment_file() -> PathBuf {
+    kustomization_dir().join("operator").join("deployment.yaml")
+}
+
+/// The operator's Deployment, in the chart and in `manifests/`.
+pub const OPERATOR_DEPLOYMENT: &str = "slipway-operator";
+
+/// The operator's container in [`OPERATOR_DEPLOYMENT`].
+pub const OPERATOR_CONTAINER: &str = "operator";
+
 /// A rendered YAML stream: the file it was written to (so kubectl can apply it and a
 /// person can read it after a failure) and its objects, as JSON.
 #[derive(Debug, Clone)]
@@ -78,8 +94,76 @@ impl Rendered {
             path: file.clone(),
             source,
         })?;
+        Self::read(file)
+    }
+
+    /// The objects of a YAML file as it is checked in (such as
+    /// [`operator_deployment_file`]).
+    ///
+    /// # Errors
+    /// When the file cannot be read or is not YAML.
+    pub fn read(file: PathBuf) -> Result<Self> {
         let objects = load_documents(&file)?;
         Ok(Self { file, objects })
+    }
+
+    /// The operator's container: [`OPERATOR_CONTAINER`] of `Deployment`
+    /// [`OPERATOR_DEPLOYMENT`].
+    ///
+    /// # Errors
+    /// [`Error::Manifest`] when this stream has no such Deployment or container.
+    pub fn operator_container(&self) -> Result<&Value> {
+        self.find("Deployment", OPERATOR_DEPLOYMENT)
+            .and_then(|deployment| {
+                deployment["spec"]["template"]["spec"]["containers"]
+                    .as_array()?
+                    .iter()
+                    .find(|container| container["name"] == OPERATOR_CONTAINER)
+            })
+            .ok_or_else(|| Error::Manifest {
+                path: self.file.clone(),
+                reason: format!(
+                    "no container {OPERATOR_CONTAINER} in a Deployment {OPERATOR_DEPLOYMENT}"
+                ),
+            })
+    }
+
+    /// The operator's command line: its container's `args`, parsed as
+    /// `slipway-operator` parses them ([`OperatorArgs::parse_args`]). The flags the
+    /// Deployment leaves to environment variables (`POD_NAME`, `POD_NAMESPACE`) take
+    /// this process's values, or their defaults.
+    ///
+    /// # Errors
+    /// [`Error::Manifest`] when there is no operator container, its `args` are not a
+    /// list of strings, or the operator would refuse them (an unknown flag, a bad value),
+    /// with clap's message.
+    pub fn operator_args(&self) -> Result<OperatorArgs> {
+        let container = self.operator_container()?;
+        let invalid = |reason: String| Error::Manifest {
+            path: self.file.clone(),
+            reason,
+        };
+        let args: Vec<&str> = match &container["args"] {
+            Value::Null => Vec::new(),
+            Value::Array(args) => args
+                .iter()
+                .map(|arg| {
+                    arg.as_str()
+                        .ok_or_else(|| invalid(format!("the operator's arg {arg} is not a string")))
+                })
+                .collect::<Result<_>>()?,
+            other => {
+                return Err(invalid(format!(
+                    "the operator's args {other} are not a list"
+                )));
+            }
+        };
+        OperatorArgs::parse_args(args.iter().copied()).map_err(|error| {
+            invalid(format!(
+                "the operator would refuse its args {args:?}: {}",
+                error.render()
+            ))
+        })
     }
 
     /// The object of this kind and name, in any namespace.
@@ -459,6 +543,62 @@ mod tests {
                 "CustomResourceDefinition x: .spec.minimum: manifests/ 1, chart 1.5".to_owned()
             ])
         );
+    }
+
+    fn rendered(objects: Vec<Value>) -> Rendered {
+        Rendered {
+            file: PathBuf::from("test.yaml"),
+            objects,
+        }
+    }
+
+    #[test]
+    fn manifests_operator_args_are_the_operators_command_line() {
+        // The error names the file.
+        let args = Rendered::read(operator_deployment_file())
+            .and_then(|deployment| deployment.operator_args())
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(args.metrics_addr.to_string(), "0.0.0.0:8080");
+        assert_eq!(args.lease_duration, Duration::from_secs(15));
+        assert_eq!(args.lease_retry, Duration::from_secs(2));
+        assert_eq!(
+            args.logs.log_format,
+            Some(slipway_contract::telemetry::LogFormat::Json)
+        );
+        assert_eq!(
+            args.router_image,
+            "ghcr.io/slipway-dev/slipway-router:0.1.0"
+        );
+        assert_eq!(args.otlp_endpoint, None);
+    }
+
+    #[test]
+    fn an_operator_flag_the_operator_would_refuse_is_an_error() {
+        let misspelt = rendered(vec![deployment(&["--lease-duration=15"], json!({}))]);
+        let error = misspelt.operator_args().expect_err("an unknown flag");
+        assert!(error.to_string().contains("'--lease-duration'"), "{error}");
+
+        let bad_value = rendered(vec![deployment(&["--lease-retry-seconds=2s"], json!({}))]);
+        let error = bad_value.operator_args().expect_err("a bad value");
+        assert!(error.to_string().contains("2s"), "{error}");
+
+        let mut number = deployment(&[], json!({}));
+        number["spec"]["template"]["spec"]["containers"][0]["args"] = json!([15]);
+        let error = rendered(vec![number])
+            .operator_args()
+            .expect_err("a number");
+        assert!(error.to_string().contains("not a string"), "{error}");
+
+        let none = rendered(vec![namespace()]);
+        let error = none.operator_args().expect_err("no Deployment");
+        assert!(
+            error.to_string().contains("no container operator"),
+            "{error}"
+        );
+
+        // No args at all is the operator's defaults.
+        let bare = rendered(vec![deployment(&[], json!({}))]);
+        assert!(bare.operator_args().is_ok());
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::process::{Command, ExitCode};
@@ -31,7 +32,7 @@ use kube::{Api, Client, ResourceExt};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
 use slipway_api::testing::condition_status;
-use slipway_contract::{EngineCommand, GROUP_PORT, GroupArgs};
+use slipway_contract::{EngineCommand, GROUP_PORT, GroupArgs, OperatorArgs};
 use slipway_e2e::build::cargo_build;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests, wait};
@@ -166,16 +167,22 @@ impl Operator {
             .join("operator-logs")
             .join(format!("{namespace}-{name}.log"));
         let (bin, kubeconfig) = (env.operator_bin.clone(), identity.kubeconfig().to_owned());
-        let (namespace, name) = (namespace.to_owned(), name.to_owned());
+        let args = OperatorArgs {
+            namespace: Some(namespace.to_owned()),
+            lease_namespace: namespace.to_owned(),
+            identity: Some(name.to_owned()),
+            metrics_addr: (Ipv4Addr::LOCALHOST, 0).into(),
+            lease_duration: Duration::from_secs(LEASE_SECONDS),
+            lease_retry: Duration::from_secs(RETRY_SECONDS),
+            ..OperatorArgs::default()
+        }
+        .to_args();
         let launch = move || {
             let mut command = Command::new(&bin);
             command
                 .env("KUBECONFIG", &kubeconfig)
                 .env("RUST_LOG", "info,slipway_operator=debug")
-                .args(["--namespace", &namespace, "--lease-namespace", &namespace])
-                .args(["--identity", &name, "--metrics-addr", "127.0.0.1:0"])
-                .args(["--lease-duration-seconds", &LEASE_SECONDS.to_string()])
-                .args(["--lease-retry-seconds", &RETRY_SECONDS.to_string()]);
+                .args(&args);
             command
         };
         let process = Supervised::start("slipway-operator", Box::new(launch), &log)?;

@@ -35,7 +35,7 @@
 //! prometheus=prometheus`, or `SLIPWAY_PROMETHEUS`), the model (`make model`, or
 //! `SLIPWAY_MODEL`). A missing one fails the run with instructions; nothing skips.
 
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
@@ -50,7 +50,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
 use slipway_api::testing::condition;
 use slipway_contract::metrics::{OUTCOME_LABEL, Outcome, RELEASE_LABEL, REQUESTS, counter_total};
-use slipway_contract::{FaultArgs, ServeArgs};
+use slipway_contract::{FaultArgs, OperatorArgs, ServeArgs};
 use slipway_e2e::build::{cargo_build, cargo_build_features};
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::{Cluster, ClusterGuard, TestNamespace, crd, manifests};
@@ -574,30 +574,23 @@ async fn rollout_scenarios(cluster: &Cluster, tools: &Tools) -> anyhow::Result<(
 
     // Restarted when it exits, as its Deployment would be: with a 6 s lease a stalled
     // API server makes it exit on purpose (see `slipway_engine::testing::Supervised`).
-    let (operator_bin, kubeconfig, operator_ns) = (
-        tools.operator.clone(),
-        identity.kubeconfig().to_owned(),
-        ns.clone(),
-    );
+    let (operator_bin, kubeconfig) = (tools.operator.clone(), identity.kubeconfig().to_owned());
+    let operator_args = OperatorArgs {
+        namespace: Some(ns.clone()),
+        lease_namespace: ns.clone(),
+        identity: Some("rollout-e2e".to_owned()),
+        metrics_addr: (Ipv4Addr::LOCALHOST, operator_port).into(),
+        lease_duration: Duration::from_secs(6),
+        lease_retry: Duration::from_secs(1),
+        ..OperatorArgs::default()
+    }
+    .to_args();
     let launch = move || {
         let mut command = Command::new(&operator_bin);
         command
             .env("KUBECONFIG", &kubeconfig)
             .env("RUST_LOG", "info,slipway_operator=debug")
-            .args([
-                "--namespace",
-                &operator_ns,
-                "--lease-namespace",
-                &operator_ns,
-            ])
-            .args(["--identity", "rollout-e2e", "--metrics-addr"])
-            .arg(format!("127.0.0.1:{operator_port}"))
-            .args([
-                "--lease-duration-seconds",
-                "6",
-                "--lease-retry-seconds",
-                "1",
-            ]);
+            .args(&operator_args);
         command
     };
     let _operator = Supervised::start(

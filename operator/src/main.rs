@@ -2,14 +2,11 @@
 //! serves `/metrics` and `/healthz`, and shuts down gracefully on SIGTERM/SIGINT
 //! (finishing in-flight reconciles and releasing the Lease).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use slipway_contract::LogArgs;
-use slipway_contract::telemetry::parse_http_url;
+use slipway_contract::OperatorArgs;
 use slipway_operator::leader::{Elector, LeaseConfig};
 use slipway_operator::metrics::{self, Metrics};
 use slipway_operator::reconcile::{self, Context};
@@ -19,45 +16,15 @@ use tracing::{error, info};
 
 /// Reconciles InferenceService objects into fault-tolerant groups of engine pods.
 #[derive(Debug, Parser)]
-#[command(version)]
-struct Args {
-    /// Address of the /metrics and /healthz listener.
-    #[arg(long, env = "SLIPWAY_METRICS_ADDR", default_value = "127.0.0.1:8080")]
-    metrics_addr: SocketAddr,
-    /// Namespace of the leader-election Lease.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "slipway-system")]
-    lease_namespace: String,
-    /// Name of the leader-election Lease.
-    #[arg(long, default_value = "slipway-operator")]
-    lease_name: String,
-    /// This replica's identity in the Lease (defaults to the pod name, or host-pid).
-    #[arg(long, env = "POD_NAME")]
-    identity: Option<String>,
-    /// Watch only this namespace (default: all namespaces).
-    #[arg(long, env = "SLIPWAY_WATCH_NAMESPACE")]
-    namespace: Option<String>,
-    /// Seconds a Lease stays valid without renewal.
-    #[arg(long, default_value_t = 15)]
-    lease_duration_seconds: u64,
-    /// Seconds between renewals and acquisition attempts.
-    #[arg(long, default_value_t = 2)]
-    lease_retry_seconds: u64,
+#[command(name = "slipway-operator", version)]
+struct Cli {
     #[command(flatten)]
-    logs: LogArgs,
-    /// OTLP/HTTP collector (base URL, e.g. http://collector:4318) that the engine
-    /// pods this operator renders export request traces to. Unset: engines export
-    /// none. One InferenceService can still choose its own in `release.engine.args`.
-    #[arg(long, value_name = "URL", value_parser = parse_http_url)]
-    otlp_endpoint: Option<String>,
-    /// The image of the router pods put in front of each InferenceService's engines.
-    #[arg(long, env = "SLIPWAY_ROUTER_IMAGE", value_name = "IMAGE",
-          default_value = slipway_operator::router::DEFAULT_IMAGE)]
-    router_image: String,
+    args: OperatorArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let Cli { args } = Cli::parse();
     let _telemetry = Telemetry::init("slipway-operator", args.logs.log_format, "info", None)?;
     let identity = args.identity.clone().unwrap_or_else(|| {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "operator".to_owned());
@@ -86,8 +53,8 @@ async fn main() -> anyhow::Result<()> {
     });
 
     let config = LeaseConfig {
-        duration: Duration::from_secs(args.lease_duration_seconds),
-        retry: Duration::from_secs(args.lease_retry_seconds),
+        duration: args.lease_duration,
+        retry: args.lease_retry,
     };
     let mut elector = Elector::new(
         client.clone(),

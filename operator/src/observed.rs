@@ -60,7 +60,7 @@ pub struct Observed {
     #[serde(default)]
     pub engine_otlp_endpoint: Option<String>,
     /// Not read from the cluster: the operator's `--router-image`; `None` is
-    /// [`crate::router::DEFAULT_IMAGE`].
+    /// [`slipway_contract::operator::DEFAULT_ROUTER_IMAGE`].
     #[serde(default)]
     pub router_image: Option<String>,
     /// Children other than pods and Services that carry the instance labels, by kind:

@@ -56,10 +56,6 @@ use crate::pod::{
 use crate::spec_error::SpecError;
 use crate::types::{Child, Context};
 
-/// The router image when the operator is given none (`--router-image`): named as the
-/// operator's and the engine's images are in `manifests/`.
-pub const DEFAULT_IMAGE: &str = "ghcr.io/slipway-dev/slipway-router:0.1.0";
-
 /// Router pods per InferenceService: one can be lost (or drained) while the other
 /// carries the traffic.
 pub const REPLICAS: i32 = 2;

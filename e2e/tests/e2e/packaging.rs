@@ -5,7 +5,9 @@
 //! check and prometheus-operator's PrometheusRule schema all decide while nothing is
 //! stored. Beside that: `helm lint --strict`, the chart's values reaching the operator's
 //! Deployment, and the chart rendering the kustomization's objects (see
-//! `slipway_e2e::packaging` for the two allowed differences).
+//! `slipway_e2e::packaging` for the two allowed differences). The operator's `args` in
+//! each are parsed by the operator's own parser (`slipway_contract::OperatorArgs`), so a
+//! flag the operator does not know fails here, not in a crash-looping pod.
 //!
 //! Helm comes from `SLIPWAY_HELM` and prometheus-operator's PrometheusRule CRD from
 //! `SLIPWAY_PROMETHEUS_RULE_CRD`; `make e2e` provides both (charts/charts.mk), and a
@@ -17,6 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
 use serde_json::{Value, json};
+use slipway_contract::telemetry::LogFormat;
 use slipway_e2e::packaging::{self, Helm, ObjectKey, Rendered};
 use slipway_e2e::{Cluster, crd, manifests};
 
@@ -109,6 +112,10 @@ pub async fn chart_renders_the_kustomizations_objects(context: TestContext) -> a
             differences.join("\n  ")
         );
     }
+    // Equal objects, so one command line; the operator must accept it.
+    for rendered in [&chart, &kustomized] {
+        rendered.operator_args()?;
+    }
     // Not vacuous: the two streams hold the objects an install needs.
     let keys: Vec<String> = chart.keys().iter().map(ToString::to_string).collect();
     for expected in [
@@ -192,20 +199,13 @@ pub async fn chart_values_reach_the_operator_deployment(
         &[],
         scratch_file(context.name, "defaults"),
     )?;
-    let operator = container(&defaults)?;
+    let operator = defaults.operator_container()?;
+    let args = defaults.operator_args()?;
     ensure!(
-        operator["args"].as_array().is_some_and(|args| {
-            args.iter().any(|arg| arg == "--log-format=json")
-                && args
-                    .iter()
-                    .any(|arg| arg == "--router-image=ghcr.io/slipway-dev/slipway-router:0.1.0")
-                && !args.iter().any(|arg| {
-                    arg.as_str()
-                        .is_some_and(|arg| arg.starts_with("--otlp-endpoint"))
-                })
-        }),
-        "by default the operator logs JSON, renders the chart's router image and gets no --otlp-endpoint: {}",
-        operator["args"]
+        args.logs.log_format == Some(LogFormat::Json)
+            && args.router_image == "ghcr.io/slipway-dev/slipway-router:0.1.0"
+            && args.otlp_endpoint.is_none(),
+        "by default the operator logs JSON, renders the chart's router image and gets no --otlp-endpoint: {args:?}"
     );
     ensure!(
         operator.get("imagePullPolicy").is_none(),
@@ -237,7 +237,7 @@ pub async fn chart_values_reach_the_operator_deployment(
         "replicas: {}",
         deployment["spec"]
     );
-    let operator = container(&custom)?;
+    let operator = custom.operator_container()?;
     ensure!(
         operator["image"] == "registry.example/slipway/operator:1.2.3",
         "image: {operator}"
@@ -254,17 +254,12 @@ pub async fn chart_values_reach_the_operator_deployment(
         operator["resources"]["limits"]["memory"] == "1Gi",
         "resources: {operator}"
     );
-    let args: Vec<&str> = operator["args"]
-        .as_array()
-        .context("the operator has args")?
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
+    // Parsed as the operator parses them: `--log-format` twice would be refused.
+    let args = custom.operator_args()?;
     ensure!(
-        args.contains(&"--log-format=text")
-            && args.contains(&"--otlp-endpoint=http://otel-collector.observability:4318")
-            && args.contains(&"--router-image=registry.example/slipway/router:1.2.4")
-            && !args.contains(&"--log-format=json"),
+        args.logs.log_format == Some(LogFormat::Text)
+            && args.otlp_endpoint.as_deref() == Some("http://otel-collector.observability:4318")
+            && args.router_image == "registry.example/slipway/router:1.2.4",
         "args: {args:?}"
     );
 
@@ -282,19 +277,6 @@ pub async fn chart_values_reach_the_operator_deployment(
         }
     }
     Ok(())
-}
-
-/// The operator container of the rendered Deployment.
-fn container(rendered: &Rendered) -> anyhow::Result<&Value> {
-    rendered
-        .find("Deployment", "slipway-operator")
-        .and_then(|deployment| deployment["spec"]["template"]["spec"]["containers"].get(0))
-        .with_context(|| {
-            format!(
-                "{} has no operator Deployment with a container",
-                rendered.file.display()
-            )
-        })
 }
 
 /// Where a test writes what it rendered (kept for reading after a failure).

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail, ensure};
 use serde_json::Value;
-use slipway_e2e::manifests::{self, repo_root};
+use slipway_e2e::manifests::repo_root;
+use slipway_e2e::packaging::{self, Rendered};
 use slipway_e2e::real_nodes;
 
 use crate::support::{Env, engine_image, fault_injection_image};
@@ -67,37 +68,23 @@ fn dockerfile_stages(text: &str) -> anyhow::Result<BTreeMap<String, Stage>> {
     Ok(stages)
 }
 
-/// The operator's container in `manifests/operator/deployment.yaml`.
-fn operator_container() -> anyhow::Result<Value> {
-    let path = repo_root()
-        .join("manifests")
-        .join("operator")
-        .join("deployment.yaml");
-    let documents = manifests::load_documents(&path)?;
-    documents
-        .iter()
-        .find_map(|d| d["spec"]["template"]["spec"]["containers"].get(0))
-        .cloned()
-        .with_context(|| format!("no container in {}", path.display()))
+/// `manifests/operator/deployment.yaml`.
+fn operator_deployment() -> anyhow::Result<Rendered> {
+    Ok(Rendered::read(packaging::operator_deployment_file())?)
 }
 
 /// The `image:` of the operator's Deployment.
 fn operator_image() -> anyhow::Result<String> {
-    operator_container()?["image"]
+    operator_deployment()?.operator_container()?["image"]
         .as_str()
         .map(str::to_owned)
         .context("the operator's container has no image")
 }
 
-/// The router pods' image: the operator's `--router-image` in its Deployment.
+/// The router pods' image: the operator's `--router-image` in its Deployment, as the
+/// operator reads it.
 fn router_image() -> anyhow::Result<String> {
-    operator_container()?["args"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find_map(|arg| arg.as_str()?.strip_prefix("--router-image="))
-        .map(str::to_owned)
-        .context("the operator's Deployment passes no --router-image")
+    Ok(operator_deployment()?.operator_args()?.router_image)
 }
 
 /// One member of an OCI layout tarball, read with tar(1).

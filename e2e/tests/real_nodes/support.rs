@@ -3,6 +3,7 @@
 //! container logs with the runtime's timestamps, kubelet log lines, EndpointSlices,
 //! and the operator as a process under its own identity.
 
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
@@ -17,6 +18,7 @@ use kube::api::{DynamicObject, ListParams, LogParams, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, ResourceExt as _};
 use serde_json::{Value, json};
+use slipway_contract::OperatorArgs;
 use slipway_e2e::build::cargo_build_features;
 use slipway_e2e::rbac::OperatorIdentity;
 use slipway_e2e::real_nodes::{self, ModelClaim, RealNode};
@@ -525,21 +527,19 @@ impl OperatorProcess {
             std::fs::create_dir_all(dir)?;
         }
         let file = std::fs::File::create(&log)?;
+        let args = OperatorArgs {
+            namespace: Some(ns.name().to_owned()),
+            lease_namespace: ns.name().to_owned(),
+            identity: Some("real-nodes-e2e".to_owned()),
+            metrics_addr: (Ipv4Addr::LOCALHOST, 0).into(),
+            ..OperatorArgs::default()
+        };
         let process = ChildGuard::spawn(
             "slipway-operator",
             Command::new(operator_bin()?)
                 .env("KUBECONFIG", identity.kubeconfig())
                 .env("RUST_LOG", "info,slipway_operator=debug")
-                .args([
-                    "--namespace",
-                    ns.name(),
-                    "--lease-namespace",
-                    ns.name(),
-                    "--identity",
-                    "real-nodes-e2e",
-                    "--metrics-addr",
-                    "127.0.0.1:0",
-                ])
+                .args(args.to_args())
                 .stdout(file.try_clone()?)
                 .stderr(file),
         )?;

@@ -59,7 +59,7 @@ pub(super) fn shared_children(
     let router_image = observed
         .router_image
         .as_deref()
-        .unwrap_or(router::DEFAULT_IMAGE);
+        .unwrap_or(slipway_contract::operator::DEFAULT_ROUTER_IMAGE);
     apply.extend(router::children(ctx, router_image, &ctx.router));
     if let Some(route) = ctx
         .spec
