@@ -205,7 +205,11 @@ mod tests {
             command
         });
         let mut process = Supervised::start("exits", launch, &log).expect("starting sh");
-        wait_for("a second restart", || process.restarts() >= 2);
+        // The count goes up as a restart is launched, before its shell has printed:
+        // wait for the third "started" too.
+        wait_for("a second restart's output", || {
+            process.restarts() >= 2 && process.log_text().matches("started").count() >= 3
+        });
         process.kill();
         let after_kill = process.restarts();
         let text = process.log_text();
