@@ -500,15 +500,16 @@ fn little_line(l: &LittleCheck) -> String {
     );
     match (l.server_in_system, l.relative_error) {
         (Some(server), Some(error)) => format!(
-            "L={server:.3} (server running+waiting, {} samples) vs {predicted} → {} ({:.1}% apart, tolerance {:.0}%)",
+            "L={server:.3} (server running+waiting, {} samples) vs {predicted} → {} ({:.1}% apart, tolerance {:.0}% + {:.3} for sampling)",
             l.server_samples,
-            if error <= LITTLE_TOLERANCE {
+            if l.consistent == Some(true) {
                 "consistent"
             } else {
                 "INCONSISTENT: the server and the client disagree on the requests in flight"
             },
             error * 100.0,
-            LITTLE_TOLERANCE * 100.0
+            LITTLE_TOLERANCE * 100.0,
+            l.sampling_allowance
         ),
         _ if l.server_samples == 0 => {
             format!("{predicted}; not checked: the server's /metrics has no running/waiting gauges")

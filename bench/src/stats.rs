@@ -239,18 +239,22 @@ pub struct LittleCheck {
     pub predicted: f64,
     /// |L − λW| / max(L, λW), when L was measured.
     pub relative_error: Option<f64>,
-    /// Whether L and λW agree within [`LITTLE_TOLERANCE`]; `None` when L was not
-    /// measured. `false` means the client's and the server's accounts of the same
-    /// requests disagree.
+    /// How far L may be from the true time average only because it was sampled, in
+    /// requests (see [`sampling_allowance`]); 0 when L was not measured.
+    pub sampling_allowance: f64,
+    /// Whether L and λW agree: |L − λW| within [`LITTLE_TOLERANCE`] of the larger
+    /// plus the `sampling_allowance`; `None` when L was not measured. `false` means
+    /// the client's and the server's accounts of the same requests disagree.
     pub consistent: Option<bool>,
 }
 
 /// Relative tolerance of the Little's-law check. The two sides differ honestly by
 /// the client's share of each request (connection, parsing, tokenising before the
 /// server's queue, the last bytes after it), by the server updating its gauges
-/// between its steps, and by sampling every [`crate::occupancy::SAMPLE_INTERVAL`];
-/// each is a few percent of a request's time in the system. A lost or mis-stamped
-/// record, or requests one side keeps and the other does not, move it by more.
+/// between its steps; each is a few percent of a request's time in the system. A
+/// lost or mis-stamped record, or requests one side keeps and the other does not,
+/// move it by more. Sampling the gauges is allowed for separately
+/// ([`sampling_allowance`]): with few, short requests it is larger than this.
 pub const LITTLE_TOLERANCE: f64 = 0.2;
 
 /// Fewest server samples in a run for the check to be made: a shorter run is not
@@ -287,6 +291,11 @@ pub fn littles_law(records: &[RequestRecord], server: &[ServerSample]) -> Little
             0.0
         }
     });
+    let allowance = if l.is_some() {
+        sampling_allowance(server, end, times.len())
+    } else {
+        0.0
+    };
     LittleCheck {
         server_in_system: l,
         server_samples,
@@ -294,8 +303,32 @@ pub fn littles_law(records: &[RequestRecord], server: &[ServerSample]) -> Little
         mean_time_in_system_s: w,
         predicted,
         relative_error,
-        consistent: relative_error.map(|e| e <= LITTLE_TOLERANCE),
+        sampling_allowance: allowance,
+        consistent: l
+            .map(|l| (l - predicted).abs() <= LITTLE_TOLERANCE * l.max(predicted) + allowance),
     }
+}
+
+/// How far the sampled time average of `requests` requests over `[0, end]` may be
+/// from the true one, in requests. A sample's value holds until the next, so each
+/// request's span is counted from the first sample after it starts to the first
+/// after it ends: both ends move by less than the widest gap between samples, so
+/// its share of L is off by less than `gap / end`, either way. The bound is the sum
+/// of those, not a statistical one: arrivals at a fixed rate can fall on the same
+/// phase of the scrapes every time, and then every request is off the same way.
+/// With two 95 ms requests scraped every 50 ms, L can be 45 % away from λW by
+/// sampling alone; with requests much longer than a gap the allowance is small.
+#[must_use]
+pub fn sampling_allowance(server: &[ServerSample], end: f64, requests: usize) -> f64 {
+    if end <= 0.0 {
+        return 0.0;
+    }
+    let mut times: Vec<f64> = server.iter().map(|s| s.t).filter(|&t| t <= end).collect();
+    times.sort_by(f64::total_cmp);
+    // Between samples only: the runner scrapes before the first send and until after
+    // the last request is done, so the edges hold no request's start or end.
+    let widest = times.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+    widest * requests as f64 / end
 }
 
 /// The summary of one run (one offered rate).

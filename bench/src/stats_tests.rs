@@ -33,20 +33,32 @@ fn with(mut r: RequestRecord, outcome: Outcome) -> RequestRecord {
     r
 }
 
-/// What a server's running + waiting gauges would read every 10 ms for these
-/// records, each request held `extra_s` longer than the client held it.
+/// An honest server's gauges, scraped every 10 ms from 0: each request is in the
+/// system while the client has it in flight, and `extra_s` after.
 fn server_of(records: &[RequestRecord], extra_s: f64) -> Vec<ServerSample> {
+    scraped(records, 0.0, 0.01, extra_s)
+}
+
+/// The server's gauges scraped every `interval` from `phase` on: each request is in
+/// the system while the client has it in flight, and `extra_s` after.
+fn scraped(
+    records: &[RequestRecord],
+    phase: f64,
+    interval: f64,
+    extra_s: f64,
+) -> Vec<ServerSample> {
     let end = records.iter().filter_map(|r| r.done_s).fold(0.0, f64::max);
-    (0..=(end * 100.0) as usize)
-        .map(|i| {
-            let t = i as f64 / 100.0;
-            let in_system = records
+    (0..)
+        .map(|i| phase + f64::from(i) * interval)
+        .take_while(|&t| t <= end)
+        .map(|t| ServerSample {
+            t,
+            in_system: records
                 .iter()
                 .filter(|r| {
                     r.sent_s.is_some_and(|s| s <= t) && r.done_s.is_some_and(|d| t < d + extra_s)
                 })
-                .count() as f64;
-            ServerSample { t, in_system }
+                .count() as f64,
         })
         .collect()
 }
@@ -281,7 +293,41 @@ fn littles_law_is_not_checked_without_enough_server_samples() {
     assert_eq!(few.consistent, None, "{few:?}");
 }
 
+#[test]
+fn few_short_requests_are_judged_with_their_sampling_error() {
+    // CI's case: two ~95 ms requests 2 s apart, scraped every 50 ms. Where the scrapes
+    // fall decides whether each is seen once or twice, so L is ±50 % of λW by
+    // sampling alone.
+    let recs = [done(0, 0.5, 0.05, 0.005, 10), done(1, 2.5, 0.05, 0.005, 10)];
+    let seen_once = littles_law(&recs, &scraped(&recs, 0.049, 0.05, 0.0));
+    assert!(
+        seen_once
+            .relative_error
+            .is_some_and(|e| e > LITTLE_TOLERANCE),
+        "{seen_once:?}"
+    );
+    assert_eq!(seen_once.consistent, Some(true), "{seen_once:?}");
+    // The allowance does not hide a server that keeps each request 0.5 s longer.
+    let longer = scraped(&recs, 0.049, 0.05, 0.5);
+    let l = littles_law(&recs, &longer);
+    assert_eq!(l.consistent, Some(false), "{l:?}");
+}
+
 proptest! {
+    #[test]
+    fn an_honest_server_is_consistent_wherever_its_scrapes_fall(
+        phase in 0.0..0.05f64,
+        count in 2usize..40,
+        spacing in 0.05..1.0f64,
+        ttft in 0.02..0.3f64,
+    ) {
+        let recs: Vec<_> = (0..count)
+            .map(|i| done(i as u64, 1.0 + i as f64 * spacing, ttft, 0.005, 10))
+            .collect();
+        let l = littles_law(&recs, &scraped(&recs, phase, 0.05, 0.0));
+        prop_assert_eq!(l.consistent, Some(true), "{:?}", l);
+    }
+
     #[test]
     fn every_offered_request_is_counted_exactly_once(outcomes in prop::collection::vec(0usize..6, 0..200)) {
         let recs: Vec<_> = outcomes.iter().enumerate().map(|(i, &o)| {
