@@ -21,9 +21,7 @@ use slipway_engine::backend::device::twin::{
     KvParams, MatShape, QuantFormat, SampleParams, from_f16_bits, to_f16_bits,
 };
 use slipway_engine::backend::device::{Device, RopeParams};
-use slipway_engine::kernels::attention::{
-    AttnScratch, AttnTile, KvLayout, attend_impl, widen_portable,
-};
+use slipway_engine::kernels::attention::{AttnScratch, AttnTile, F16Ops, KvLayout, attend_impl};
 use slipway_engine::kernels::ops;
 use slipway_engine::kernels::quant::{WeightFormat, dequantize_row};
 use slipway_engine::kv::KvCache;
@@ -495,9 +493,10 @@ fn paged_attention_matches_cpu_attention<D: Device>(d: &D) {
                 q: &qkv[t * width + kh * group * HD..][..group * HD],
                 q_stride: width,
                 scale,
+                next: None,
             };
             let mut want = vec![0f32; group * HD];
-            attend_impl(&tile, &mut scratch, &mut want, widen_portable);
+            attend_impl(&tile, &mut scratch, &mut want, F16Ops::portable());
             let g = &got[(t * HEADS + kh * group) * HD..][..group * HD];
             assert_close(
                 &format!("attention token {t} (pos {ps}) kv head {kh}"),

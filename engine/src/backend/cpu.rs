@@ -47,8 +47,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::{BackendError, Batch, KvGeometry, Logits, ModelRunner, Segment};
-use crate::kernels::attention::{AttnScratch, AttnTile, KvLayout, QUERY_TILE, attend};
-use crate::kernels::{Isa, QuantActs, exact, ops};
+use crate::kernels::attention::{AttnScratch, AttnTile, KvLayout, NextTile, QUERY_TILE, attend};
+use crate::kernels::{self, Isa, PackedMatrix, QuantActs, exact, ops};
 use crate::kv::KvCache;
 use crate::model::llama::{Linear, LlamaConfig, LlamaWeights, ModelPart, OutputHead};
 use crate::model::lora::{self, LoraAdapter, Projection};
@@ -517,9 +517,14 @@ tokens of width {dim}{}",
                 (&sc.h, dim),
                 (&mut sc.qkv, qkv_w),
             );
+            // Rotated in parallel (a prompt's rows are many), stored in order.
+            sc.qkv
+                .par_chunks_exact_mut(qkv_w)
+                .zip(rope.par_iter())
+                .with_min_len(16)
+                .for_each(|(row, table)| ops::rope_in_place(&mut row[..qd + kvd], hd, table));
             for t in 0..n {
-                let row = &mut sc.qkv[t * qkv_w..(t + 1) * qkv_w];
-                ops::rope_in_place(&mut row[..qd + kvd], hd, &rope[t]);
+                let row = &sc.qkv[t * qkv_w..(t + 1) * qkv_w];
                 let (k, v) = row[qd..].split_at(kvd);
                 let s = &batch.seqs[seq_of[t]];
                 self.kv
@@ -533,13 +538,24 @@ tokens of width {dim}{}",
             let width = group * hd;
             let mut rest = sc.attn_tiles.as_mut_slice();
             let mut jobs = Vec::with_capacity(tiles.len());
-            for tile in &tiles {
+            for (i, tile) in tiles.iter().enumerate() {
                 let (mine, tail) = std::mem::take(&mut rest).split_at_mut(tile.tokens * width);
-                jobs.push((tile, mine));
+                // A worker takes a contiguous run of the tasks, so the next in order is
+                // most often its next.
+                let next = tiles.get(i + 1).map(|n| {
+                    let s = &batch.seqs[n.seq];
+                    NextTile {
+                        table: &s.block_table,
+                        kv_head: n.kv_head,
+                        last: s.start_pos + n.first + n.tokens - 1,
+                    }
+                });
+                jobs.push((tile, next, mine));
                 rest = tail;
             }
-            jobs.into_par_iter()
-                .for_each_init(AttnScratch::default, |scratch, (tile, out)| {
+            jobs.into_par_iter().for_each_init(
+                AttnScratch::default,
+                |scratch, (tile, next, out)| {
                     let s = &batch.seqs[tile.seq];
                     let t = AttnTile {
                         layer: kv_layer,
@@ -552,9 +568,11 @@ tokens of width {dim}{}",
                         q: &qkv[tile.token() * qkv_w + tile.kv_head * width..],
                         q_stride: qkv_w,
                         scale,
+                        next,
                     };
                     attend(isa, &t, scratch, out);
-                });
+                },
+            );
             let rows = tiles.iter().flat_map(|tile| {
                 (tile.token()..tile.token() + tile.tokens).map(|t| t * qd + tile.kv_head * width)
             });
@@ -580,15 +598,25 @@ tokens of width {dim}{}",
             );
             ops::add_in_place(&mut sc.x, &sc.proj);
             ops::rms_norm(&sc.x, &layer.ffn_norm, c.norm_eps, &mut sc.h);
-            Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.gate_up)?;
-            Self::add_lora(
-                adapters,
-                &segments,
-                (model_layer, &gate_up_lora),
-                (&sc.h, dim),
-                (&mut sc.gate_up, 2 * ffn),
-            );
-            ops::swiglu(&sc.gate_up, ffn, &mut sc.ffn);
+            match fused_gate_up(&layer.gate_up, ffn) {
+                // LoRA adds to the gate and up values before the SwiGLU, so a batch with
+                // adapters takes the product whole.
+                Some(m) if segments.is_empty() => {
+                    sc.acts.quantize(isa, &sc.h, n, m.cols())?;
+                    kernels::matmul_swiglu(isa, m, &sc.acts, &mut sc.ffn)?;
+                }
+                _ => {
+                    Self::run_linear(isa, &layer.gate_up, &sc.h, n, &mut sc.acts, &mut sc.gate_up)?;
+                    Self::add_lora(
+                        adapters,
+                        &segments,
+                        (model_layer, &gate_up_lora),
+                        (&sc.h, dim),
+                        (&mut sc.gate_up, 2 * ffn),
+                    );
+                    ops::swiglu(&sc.gate_up, ffn, &mut sc.ffn);
+                }
+            }
             // A shard's product is a partial sum over its MLP columns.
             Self::row_parallel(
                 isa,
@@ -639,6 +667,16 @@ tokens of width {dim}{}",
             data,
             spans,
         })
+    }
+}
+
+/// The packed `[gate; up]` matrix of a layer when [`kernels::matmul_swiglu`] can
+/// take it: one matrix of `2 * ffn` rows in whole groups (the loader stacks the two
+/// when they share a block format).
+fn fused_gate_up(gate_up: &[Linear], ffn: usize) -> Option<&PackedMatrix> {
+    match gate_up {
+        [Linear::Packed(m)] if m.rows() == 2 * ffn && ffn.is_multiple_of(kernels::GROUP) => Some(m),
+        _ => None,
     }
 }
 

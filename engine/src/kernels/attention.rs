@@ -94,6 +94,21 @@ pub struct AttnTile<'a> {
     pub q_stride: usize,
     /// `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// The tile computed after this one on the same worker, when known: its first
+    /// blocks are requested while this tile's last ones are computed, so it does not
+    /// start on blocks still in memory.
+    pub next: Option<NextTile<'a>>,
+}
+
+/// What [`AttnTile::next`] needs to request a tile's first blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct NextTile<'a> {
+    /// Its sequence's block table.
+    pub table: &'a [u32],
+    /// Its KV head.
+    pub kv_head: usize,
+    /// Its last query token's position: the blocks it reads end there.
+    pub last: usize,
 }
 
 /// Reusable buffers of [`attend`] (one per worker).
@@ -110,7 +125,7 @@ pub struct AttnScratch {
 
 /// Query rows scored together against one converted key block: each key row
 /// loaded is used `ROWS` times, and `ROWS` accumulators of 16 slots stay in registers.
-const ROWS: usize = 4;
+pub(super) const ROWS: usize = 4;
 
 /// Computes every query row of `tile` into `out` (`tokens * group * head_dim`, token
 /// by token, head by head), as the module describes.
@@ -119,17 +134,51 @@ const ROWS: usize = 4;
 /// When the block table does not cover the last token, a block lies outside `layer`,
 /// or `q`/`out` are too short.
 #[inline(always)]
-pub fn attend_impl(
-    tile: &AttnTile<'_>,
-    scratch: &mut AttnScratch,
-    out: &mut [f32],
-    widen: WidenF16,
-) {
+pub fn attend_impl(tile: &AttnTile<'_>, scratch: &mut AttnScratch, out: &mut [f32], f16: F16Ops) {
     match (tile.layout.block_size, tile.layout.head_dim) {
-        (16, 64) => tile_body::<16, 64>(tile, scratch, out, widen),
-        _ => tile_body::<0, 0>(tile, scratch, out, widen),
+        (16, 64) => tile_body::<16, 64>(tile, scratch, out, f16),
+        _ => tile_body::<0, 0>(tile, scratch, out, f16),
     }
 }
+
+/// How an instruction set's attention reads the f16 store: every block converted
+/// once into f32 buffers ([`WidenF16`]), which a tile of several passes over its rows
+/// reuses; and, where the instruction set has them, kernels that convert as they
+/// multiply, for a tile of one pass (a decode step's heads of one KV head), whose
+/// every converted value is used once: writing it out and reading it back was a
+/// third of the work. Both do the same operations in the same order.
+#[derive(Clone, Copy, Debug)]
+pub struct F16Ops {
+    widen: WidenF16,
+    one_pass: Option<(ScoresF16, ValuesF16)>,
+}
+
+impl F16Ops {
+    /// Conversion by the `half` crate, no one-pass kernels: the plain Rust path.
+    #[must_use]
+    pub fn portable() -> Self {
+        Self {
+            widen: widen_portable,
+            one_pass: None,
+        }
+    }
+
+    /// An instruction set's conversion and, when it has them, its one-pass kernels
+    /// (for blocks of 16 slots and heads of 64 dimensions).
+    #[must_use]
+    pub(super) fn new(widen: WidenF16, one_pass: Option<(ScoresF16, ValuesF16)>) -> Self {
+        Self { widen, one_pass }
+    }
+}
+
+/// Scores of `nr` (1..=[`ROWS`]) query rows (`q`, 64 each, scaled) against one f16 key
+/// block of 16 slots (`[dim][slot]`) into `out` (`nr` rows of 16): the operations of
+/// `score_rows::<16, 64, nr>` in its order.
+pub(super) type ScoresF16 = fn(usize, &[f32], &[f16], &mut [f32]);
+
+/// The weighted values of `nr` rows over one f16 value block (`[slot][64]`) added into
+/// `out`: the operations of `add_values::<64, nr>` in its order.
+pub(super) type ValuesF16 = fn(&BlockWeights<'_>, usize, &[f16], &mut [f32]);
 
 /// Converts f16 values to f32 (`src` and `dst` of one length), once per key and value
 /// block of a tile. Every instruction set's conversion is exact, so all paths see the
@@ -160,7 +209,7 @@ fn tile_body<const BS: usize, const HD: usize>(
     tile: &AttnTile<'_>,
     scratch: &mut AttnScratch,
     out: &mut [f32],
-    widen: WidenF16,
+    f16: F16Ops,
 ) {
     let AttnTile {
         layer,
@@ -173,11 +222,15 @@ fn tile_body<const BS: usize, const HD: usize>(
         q,
         q_stride,
         scale,
+        next,
     } = *tile;
     let bs = if BS == 0 { layout.block_size } else { BS };
     let hd = if HD == 0 { layout.head_dim } else { HD };
     let rows = tokens * group;
     let out = &mut out[..rows * hd];
+    let one_pass = f16
+        .one_pass
+        .filter(|_| BS == 16 && HD == 64 && rows <= ROWS);
     let AttnScratch {
         q16,
         q: qs,
@@ -209,43 +262,46 @@ fn tile_body<const BS: usize, const HD: usize>(
     let blocks = &table[..=last / bs];
     for (bi, &block) in blocks.iter().enumerate() {
         let start = bi * bs;
-        // Request the block PREFETCH_AHEAD past this one; on the first block, every
-        // block up to there.
+        // Request the block PREFETCH_AHEAD past this one, which past the tile's last
+        // block is one of the next tile's first; on the first block, every block up
+        // to there.
         let ahead = if bi == 0 {
             1..=PREFETCH_AHEAD
         } else {
             PREFETCH_AHEAD..=PREFETCH_AHEAD
         };
         for later in ahead {
-            if let Some(&next) = blocks.get(bi + later) {
-                let next_seen = bs.min(last + 1 - (start + later * bs));
-                let k = layout.offset(next as usize, false, kv_head);
-                let v = layout.offset(next as usize, true, kv_head);
-                prefetch(&layer[k..][..hd * bs]);
-                prefetch(&layer[v..][..next_seen * hd]);
+            let (table, head, first, last) = match (blocks.get(bi + later), next) {
+                (Some(_), _) => (blocks, kv_head, bi + later, last),
+                (None, Some(n)) => (n.table, n.kv_head, bi + later - blocks.len(), n.last),
+                (None, None) => continue,
+            };
+            if let Some(&block) = table.get(first).filter(|_| first <= last / bs) {
+                let seen = bs.min(last + 1 - first * bs);
+                prefetch(&layer[layout.offset(block as usize, false, head)..][..hd * bs]);
+                prefetch(&layer[layout.offset(block as usize, true, head)..][..seen * hd]);
             }
         }
         // Slots of this block the tile's last token sees; earlier tokens see fewer.
         let seen = bs.min(last + 1 - start);
-        widen(
-            &layer[layout.offset(block as usize, false, kv_head)..][..hd * bs],
-            k,
-        );
-        widen(
-            &layer[layout.offset(block as usize, true, kv_head)..][..seen * hd],
-            &mut v[..seen * hd],
-        );
+        let keys = &layer[layout.offset(block as usize, false, kv_head)..][..hd * bs];
+        let values = &layer[layout.offset(block as usize, true, kv_head)..][..seen * hd];
+        if one_pass.is_none() {
+            (f16.widen)(keys, k);
+            (f16.widen)(values, &mut v[..seen * hd]);
+        }
         // Tokens before the block's first position see none of it.
         let mut r = start.saturating_sub(pos) * group;
         while r < rows {
             let nr = ROWS.min(rows - r);
             let q = &qs[r * hd..];
             // A decode's group of 3 heads is one pass of 3 rows, not three of one.
-            match nr {
-                ROWS => score_rows::<BS, HD, ROWS>(q, k, (bs, hd), scores),
-                3 => score_rows::<BS, HD, 3>(q, k, (bs, hd), scores),
-                2 => score_rows::<BS, HD, 2>(q, k, (bs, hd), scores),
-                _ => score_rows::<BS, HD, 1>(q, k, (bs, hd), scores),
+            match (one_pass, nr) {
+                (Some((scores_f16, _)), _) => scores_f16(nr, q, keys, scores),
+                (None, ROWS) => score_rows::<BS, HD, ROWS>(q, k, (bs, hd), scores),
+                (None, 3) => score_rows::<BS, HD, 3>(q, k, (bs, hd), scores),
+                (None, 2) => score_rows::<BS, HD, 2>(q, k, (bs, hd), scores),
+                (None, _) => score_rows::<BS, HD, 1>(q, k, (bs, hd), scores),
             }
             let mut visible = [0; ROWS];
             let mut rescale = [1.0; ROWS];
@@ -267,11 +323,12 @@ fn tile_body<const BS: usize, const HD: usize>(
             let outs = &mut out[r * hd..(r + nr) * hd];
             // The rows' value sums advance together, each value row loaded once for
             // all of them: one row alone was a chain of dependent multiply-adds.
-            match nr {
-                ROWS => add_values::<HD, ROWS>(&block, v, outs),
-                3 => add_values::<HD, 3>(&block, v, outs),
-                2 => add_values::<HD, 2>(&block, v, outs),
-                _ => add_values::<HD, 1>(&block, v, outs),
+            match (one_pass, nr) {
+                (Some((_, values_f16)), _) => values_f16(&block, nr, values, outs),
+                (None, ROWS) => add_values::<HD, ROWS>(&block, v, outs),
+                (None, 3) => add_values::<HD, 3>(&block, v, outs),
+                (None, 2) => add_values::<HD, 2>(&block, v, outs),
+                (None, _) => add_values::<HD, 1>(&block, v, outs),
             }
             r += nr;
         }
@@ -350,14 +407,15 @@ fn softmax_block<const BS: usize>(
 }
 
 /// One block's softmax weights for a run of query rows (from [`softmax_block`]).
-struct BlockWeights<'a> {
+#[derive(Debug)]
+pub(super) struct BlockWeights<'a> {
     /// Row `j`'s weight of slot `i` is `p[j * bs + i]`.
-    p: &'a [f32],
-    bs: usize,
+    pub(super) p: &'a [f32],
+    pub(super) bs: usize,
     /// Slots each row sees.
-    visible: &'a [usize; ROWS],
+    pub(super) visible: &'a [usize; ROWS],
     /// Factor each row's output so far is scaled by first.
-    rescale: &'a [f32; ROWS],
+    pub(super) rescale: &'a [f32; ROWS],
 }
 
 /// Adds `NR` rows' weighted sums of one block's values (`v`, `head_dim` per slot)
@@ -436,7 +494,7 @@ pub fn attend(isa: super::Isa, tile: &AttnTile<'_>, scratch: &mut AttnScratch, o
         super::Isa::Avx512Vnni => super::avx512::attend(tile, scratch, out),
         #[cfg(target_arch = "x86_64")]
         super::Isa::Avx2 => super::avx2::attend(tile, scratch, out),
-        _ => attend_impl(tile, scratch, out, widen_portable),
+        _ => attend_impl(tile, scratch, out, F16Ops::portable()),
     }
 }
 

@@ -78,6 +78,12 @@ impl Case {
             q: &self.q[self.kv_head * width..],
             q_stride: self.q_stride,
             scale: 1.0 / (self.layout.head_dim as f32).sqrt(),
+            // Requests (hints only) that run the next-tile path on every case.
+            next: Some(NextTile {
+                table: &self.table,
+                kv_head: (self.kv_head + 1) % self.layout.kv_heads,
+                last: self.pos + self.tokens - 1,
+            }),
         }
     }
 
@@ -194,8 +200,14 @@ fn slots_past_the_context_are_never_read_into_the_result() {
     // Stale keys and values past the last token (another sequence's, or inf/NaN
     // garbage) must not change anything: the same case with them poisoned gives
     // bit-identical outputs.
-    let clean = Case::new((16, 64, 3, 3), 5, 9, 7);
-    let mut poisoned = Case::new((16, 64, 3, 3), 5, 9, 7);
+    for tokens in [9, 1] {
+        poisoned_slots_change_nothing(tokens);
+    }
+}
+
+fn poisoned_slots_change_nothing(tokens: usize) {
+    let clean = Case::new((16, 64, 3, 3), 5, tokens, 7);
+    let mut poisoned = Case::new((16, 64, 3, 3), 5, tokens, 7);
     let l = poisoned.layout;
     let last = poisoned.pos + poisoned.tokens - 1;
     let block = poisoned.table[last / l.block_size] as usize;
@@ -208,7 +220,11 @@ fn slots_past_the_context_are_never_read_into_the_result() {
         }
     }
     for isa in Isa::all_available() {
-        assert_eq!(clean.run(isa), poisoned.run(isa), "{isa:?}");
+        assert_eq!(
+            clean.run(isa),
+            poisoned.run(isa),
+            "{isa:?}, {tokens} tokens"
+        );
     }
 }
 
@@ -217,10 +233,28 @@ fn every_isa_gives_the_same_bits() {
     // Same operations in the same order on every path (each fused multiply-add
     // rounds once everywhere),
     // so forcing an instruction set never changes a token.
-    let case = Case::new((16, 64, 3, 3), 21, 16, 3);
-    let scalar = case.run(Isa::Scalar);
-    for isa in Isa::all_available() {
-        assert_eq!(case.run(isa), scalar, "{isa:?}");
+    // A prefill tile, and tiles of one pass (a decode's group of 3 heads, and 1 to 4
+    // rows of one head), which AVX-512 reads straight from f16.
+    let cases = [
+        ((16, 64, 3, 3), 21, 16),
+        ((16, 64, 3, 3), 21, 1),
+        ((16, 64, 3, 3), 15, 1),
+        ((16, 64, 3, 3), 16, 1),
+        ((16, 64, 2, 1), 40, 1),
+        ((16, 64, 2, 1), 40, 2),
+        ((16, 64, 2, 1), 47, 3),
+        ((16, 64, 2, 1), 0, 4),
+    ];
+    for (geometry, pos, tokens) in cases {
+        let case = Case::new(geometry, pos, tokens, 3);
+        let scalar = case.run(Isa::Scalar);
+        for isa in Isa::all_available() {
+            assert_eq!(
+                case.run(isa),
+                scalar,
+                "{isa:?} {geometry:?} pos {pos} tokens {tokens}"
+            );
+        }
     }
 }
 

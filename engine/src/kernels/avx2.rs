@@ -24,6 +24,7 @@ use std::arch::x86_64::{
 
 use std::ops::Range;
 
+use super::attention::F16Ops;
 use super::exact;
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
@@ -54,13 +55,16 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out:
         let nt = (acts.end - t).min(4);
         let i = t - acts.start;
         let o = &mut out[i * GROUP..(i + nt) * GROUP];
+        // The first tile asks for the next group's weights as it goes
+        // ([`PackedMatrix::prefetch_block`]).
+        let prefetch = t == acts.start;
         // SAFETY: the features were checked above; shapes (group in range, activation
         // rows t..t+nt within x, o holding nt*16 floats) were asserted above.
         unsafe {
             if nibble {
-                tile::<true>(w, g, x, t, nt, o);
+                tile::<true>(w, g, x, (t, nt), o, prefetch);
             } else {
-                tile::<false>(w, g, x, t, nt, o);
+                tile::<false>(w, g, x, (t, nt), o, prefetch);
             }
         }
         t += nt;
@@ -212,14 +216,16 @@ unsafe fn tile_exact<const NIBBLE: bool>(
     }
 }
 
+/// One tile: `nt` (at most 4) activation rows from `t0` against row group `g`, into
+/// `out`; with `prefetch`, each block also requests the same block of group `g + 1`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const NIBBLE: bool>(
     w: &PackedMatrix,
     g: usize,
     x: &QuantActs,
-    t0: usize,
-    nt: usize,
+    (t0, nt): (usize, usize),
     out: &mut [f32],
+    prefetch: bool,
 ) {
     let nb = w.nblocks();
     let stride = w.stride();
@@ -231,6 +237,9 @@ unsafe fn tile<const NIBBLE: bool>(
     let recentre = _mm256_set1_epi8(i8::MIN);
     let ones = _mm256_set1_epi16(1);
     for b in 0..nb {
+        if prefetch {
+            w.prefetch_block(g + 1, b);
+        }
         let blk = &gdata[b * stride..][..stride];
         let p = blk.as_ptr();
         // wv[j][half]: columns 4j..4j+4 of lanes 8·half..8·half+8 (u8 for nibbles, i8
@@ -307,7 +316,25 @@ unsafe fn tile<const NIBBLE: bool>(
     }
 }
 
-/// [`super::attention::attend_impl`] compiled with AVX2 enabled.
+/// [`super::ops::silu_mul_in_place_impl`] compiled with AVX2 enabled.
+///
+/// # Panics
+/// As that function; and when called on a CPU without the features [`available`]
+/// checks.
+pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
+    assert!(available(), "AVX2 SwiGLU called on a CPU without it");
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { silu_mul_in_place_avx2(gate, up) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn silu_mul_in_place_avx2(gate: &mut [f32], up: &[f32]) {
+    super::ops::silu_mul_in_place_impl(gate, up);
+}
+
+/// [`super::attention::attend_impl`] compiled with AVX2 enabled. It converts every
+/// block once: the one-pass kernels exist for AVX-512 only, and no AVX2-only host was
+/// at hand to measure one.
 ///
 /// # Panics
 /// When called on a CPU without the features [`available`] checks.
@@ -327,7 +354,7 @@ fn attend_avx2(
     scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
-    super::attention::attend_impl(tile, scratch, out, widen_f16);
+    super::attention::attend_impl(tile, scratch, out, F16Ops::new(widen_f16, None));
 }
 
 /// [`super::attention::WidenF16`] 8 values at a time (`vcvtph2ps`), exact as every

@@ -7,16 +7,18 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512, __m512i, _mm512_add_epi32, _mm512_add_epi64, _mm512_and_si512, _mm512_castps512_ps256,
-    _mm512_castsi512_si256, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_cvtps_epi64,
-    _mm512_dpbusd_epi32, _mm512_extractf32x8_ps, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
-    _mm512_load_si512, _mm512_max_ps, _mm512_min_ps, _mm512_mul_ps, _mm512_set1_epi8,
+    __m256i, __m512, __m512i, _mm256_loadu_si256, _mm512_add_epi32, _mm512_add_epi64,
+    _mm512_add_ps, _mm512_and_si512, _mm512_castps512_ps256, _mm512_castsi512_si256,
+    _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_cvtps_epi64, _mm512_dpbusd_epi32,
+    _mm512_extractf32x8_ps, _mm512_extracti64x4_epi64, _mm512_fmadd_ps, _mm512_load_si512,
+    _mm512_loadu_ps, _mm512_max_ps, _mm512_min_ps, _mm512_mul_ps, _mm512_set1_epi8,
     _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srli_epi16,
     _mm512_storeu_ps, _mm512_storeu_si512, _mm512_sub_epi32,
 };
 
 use std::ops::Range;
 
+use super::attention::{BlockWeights, F16Ops, ROWS, ScoresF16, ValuesF16};
 use super::exact;
 use super::pack::{GROUP, PackedKind, PackedMatrix, QuantActs};
 use super::quant::QK;
@@ -53,26 +55,36 @@ pub fn group(w: &PackedMatrix, g: usize, x: &QuantActs, acts: Range<usize>, out:
         let nt = if left >= 8 { 8 } else { left.min(4) };
         let i = t - acts.start;
         let o = &mut out[i * GROUP..(i + nt) * GROUP];
+        // The first tile asks for the next group's weights as it goes
+        // ([`PackedMatrix::prefetch_block`]).
+        let prefetch = t == acts.start;
         // SAFETY: the features were checked above; shapes (group in range, activation
         // rows t..t+nt within x, o holding nt*16 floats) were asserted above.
         unsafe {
             match (nt, nibble) {
-                (8, true) => tile::<8, true>(w, g, x, t, o),
-                (8, false) => tile::<8, false>(w, g, x, t, o),
-                (4, true) => tile::<4, true>(w, g, x, t, o),
-                (4, false) => tile::<4, false>(w, g, x, t, o),
-                (3, true) => tile::<3, true>(w, g, x, t, o),
-                (3, false) => tile::<3, false>(w, g, x, t, o),
-                (2, true) => tile::<2, true>(w, g, x, t, o),
-                (2, false) => tile::<2, false>(w, g, x, t, o),
-                (_, true) => tile::<1, true>(w, g, x, t, o),
-                (_, false) => tile::<1, false>(w, g, x, t, o),
+                (8, true) => tile::<8, true>(w, g, x, t, o, prefetch),
+                (8, false) => tile::<8, false>(w, g, x, t, o, prefetch),
+                (4, true) => tile::<4, true>(w, g, x, t, o, prefetch),
+                (4, false) => tile::<4, false>(w, g, x, t, o, prefetch),
+                (3, true) => tile::<3, true>(w, g, x, t, o, prefetch),
+                (3, false) => tile::<3, false>(w, g, x, t, o, prefetch),
+                (2, true) => tile::<2, true>(w, g, x, t, o, prefetch),
+                (2, false) => tile::<2, false>(w, g, x, t, o, prefetch),
+                (_, true) => tile::<1, true>(w, g, x, t, o, prefetch),
+                (_, false) => tile::<1, false>(w, g, x, t, o, prefetch),
             }
         }
         t += nt;
     }
 }
 
+/// One tile: `NT` activation rows from `t0` against row group `g`, into `out`
+/// (`NT * GROUP` floats); with `prefetch`, each block also requests the same block of
+/// group `g + 1`.
+///
+/// Written over raw pointers so that the row loop unrolls and the `NT` accumulators
+/// stay in registers: with checked slices the compiler kept them on the stack, and a
+/// load and a store per row and block were a third of the tile's samples.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 unsafe fn tile<const NT: usize, const NIBBLE: bool>(
     w: &PackedMatrix,
@@ -80,18 +92,30 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(
     x: &QuantActs,
     t0: usize,
     out: &mut [f32],
+    prefetch: bool,
 ) {
     let nb = w.nblocks();
     let stride = w.stride();
     let cols = x.cols;
-    let gdata = &w.data()[g * w.group_bytes()..][..w.group_bytes()];
+    let gdata = w.data()[g * w.group_bytes()..][..w.group_bytes()].as_ptr();
+    // Row t0's quants and block sums; row t0 + t is `t * cols` and `t * nb` further.
+    let xq = x.q[t0 * cols..][..NT * cols].as_ptr();
+    let xd = x.d[t0 * nb..][..NT * nb].as_ptr();
+    let xs = x.s[t0 * nb..][..NT * nb].as_ptr();
+    let xqsum = x.qsum[t0 * nb..][..NT * nb].as_ptr();
+    const { assert!(NT <= 8, "rows! below unrolls eight rows") };
     let mut acc: [__m512; NT] = [_mm512_setzero_ps(); NT];
     let mask = _mm512_set1_epi8(0x0f);
     for b in 0..nb {
-        let blk = gdata[b * stride..][..stride].as_ptr();
+        // SAFETY: block b of the group starts b * stride bytes in, within the group's
+        // slice, 64-byte aligned as PackedMatrix guarantees.
+        let blk = unsafe { gdata.add(b * stride) };
+        if prefetch {
+            w.prefetch_block(g + 1, b);
+        }
         let mut wv: [__m512i; 8] = [_mm512_setzero_si512(); 8];
         // SAFETY: blk points at `stride` bytes (64 scale bytes + 256 or 512 quant
-        // bytes) starting 64-byte aligned, as PackedMatrix guarantees.
+        // bytes), 64-byte aligned.
         let sc = unsafe { _mm512_load_si512(blk.cast()) };
         let dv = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
         let mv = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(sc));
@@ -108,17 +132,13 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(
                 *v = unsafe { _mm512_load_si512(blk.add(64 + j * 64).cast()) };
             }
         }
-        for (t, a) in acc.iter_mut().enumerate() {
-            let row = t0 + t;
-            let xb = &x.q[row * cols + b * QK..][..QK];
-            let dword = |j: usize| {
-                i32::from_le_bytes([
-                    xb[4 * j] as u8,
-                    xb[4 * j + 1] as u8,
-                    xb[4 * j + 2] as u8,
-                    xb[4 * j + 3] as u8,
-                ])
-            };
+        // One row's block: its eight dot products, then the float epilogue.
+        let row = |t: usize, a: __m512| {
+            // SAFETY: t < NT and b < nb, so the block's QK quants of row t0 + t and its
+            // sums lie within the slices taken above (each NT rows long).
+            let (xb, bi) = unsafe { (xq.add(t * cols + b * QK), t * nb + b) };
+            // SAFETY: xb + 4j + 4 <= xb + QK, within the row's block; unaligned read.
+            let dword = |j: usize| unsafe { xb.add(4 * j).cast::<i32>().read_unaligned() };
             let mut i0 = _mm512_setzero_si512();
             let mut i1 = _mm512_setzero_si512();
             for j in (0..8).step_by(2) {
@@ -126,19 +146,29 @@ unsafe fn tile<const NT: usize, const NIBBLE: bool>(
                 i1 = _mm512_dpbusd_epi32(i1, wv[j + 1], _mm512_set1_epi32(dword(j + 1)));
             }
             let mut isum = _mm512_add_epi32(i0, i1);
-            let bi = row * nb + b;
+            // SAFETY: bi < NT * nb, within the sums' slices.
+            let (d, s, qsum) = unsafe { (*xd.add(bi), *xs.add(bi), *xqsum.add(bi)) };
             if !NIBBLE {
-                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.qsum[bi]));
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * qsum));
             }
-            *a = _mm512_fmadd_ps(
-                _mm512_mul_ps(dv, _mm512_set1_ps(x.d[bi])),
+            let a = _mm512_fmadd_ps(
+                _mm512_mul_ps(dv, _mm512_set1_ps(d)),
                 _mm512_cvtepi32_ps(isum),
-                *a,
+                a,
             );
             if NIBBLE {
-                *a = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[bi]), *a);
+                _mm512_fmadd_ps(mv, _mm512_set1_ps(s), a)
+            } else {
+                a
             }
+        };
+        // Unrolled by hand (the branches fold, NT being a constant): left as a loop,
+        // the Q8_0 tile's larger body was not unrolled and its accumulators went to
+        // the stack.
+        macro_rules! rows {
+            ($($t:literal)*) => { $( if $t < NT { acc[$t] = row($t, acc[$t]); } )* };
         }
+        rows!(0 1 2 3 4 5 6 7);
     }
     for (t, a) in acc.iter().enumerate() {
         let o = &mut out[t * GROUP..(t + 1) * GROUP];
@@ -275,6 +305,22 @@ unsafe fn tile_exact<const NT: usize, const NIBBLE: bool>(
     }
 }
 
+/// [`super::ops::silu_mul_in_place_impl`] compiled with AVX-512 enabled.
+///
+/// # Panics
+/// As that function; and when called on a CPU without the features [`available`]
+/// checks.
+pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
+    assert!(available(), "AVX-512 SwiGLU called on a CPU without it");
+    // SAFETY: the features the function is compiled for were checked just above.
+    unsafe { silu_mul_in_place_avx512(gate, up) }
+}
+
+#[target_feature(enable = "avx512f")]
+fn silu_mul_in_place_avx512(gate: &mut [f32], up: &[f32]) {
+    super::ops::silu_mul_in_place_impl(gate, up);
+}
+
 /// [`super::attention::attend_impl`] compiled with AVX-512 enabled.
 ///
 /// # Panics
@@ -295,7 +341,148 @@ fn attend_avx512(
     scratch: &mut super::attention::AttnScratch,
     out: &mut [f32],
 ) {
-    super::attention::attend_impl(tile, scratch, out, widen_f16);
+    let one_pass: (ScoresF16, ValuesF16) = (scores_f16, values_f16);
+    super::attention::attend_impl(tile, scratch, out, F16Ops::new(widen_f16, Some(one_pass)));
+}
+
+/// [`ScoresF16`]: each key row converted (`vcvtph2ps`) as it is loaded, the
+/// accumulators in registers.
+///
+/// # Panics
+/// When `nr` is not 1..=4, the slices are shorter than the shapes say, or on a CPU
+/// without the features [`available`] checks.
+fn scores_f16(nr: usize, q: &[f32], k: &[half::f16], out: &mut [f32]) {
+    assert!(
+        (1..=ROWS).contains(&nr)
+            && q.len() >= nr * 64
+            && k.len() >= 64 * 16
+            && out.len() >= nr * 16,
+        "one-pass scores of {nr} rows: q {}, keys {}, out {}",
+        q.len(),
+        k.len(),
+        out.len()
+    );
+    assert!(available(), "AVX-512 attention called on a CPU without it");
+    // SAFETY: the lengths were checked above against what the body reads and writes,
+    // and the features it is compiled for just above.
+    unsafe {
+        match nr {
+            1 => scores_f16_avx512::<1>(q, k, out),
+            2 => scores_f16_avx512::<2>(q, k, out),
+            3 => scores_f16_avx512::<3>(q, k, out),
+            _ => scores_f16_avx512::<4>(q, k, out),
+        }
+    }
+}
+
+/// # Safety
+/// `q` holds `NR * 64` values, `k` `64 * 16`, `out` `NR * 16`; the CPU has AVX-512F and
+/// F16C.
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn scores_f16_avx512<const NR: usize>(q: &[f32], k: &[half::f16], out: &mut [f32]) {
+    let mut even = [_mm512_setzero_ps(); NR];
+    let mut odd = [_mm512_setzero_ps(); NR];
+    let keys = k.as_ptr().cast::<__m256i>();
+    for d in (0..64).step_by(2) {
+        // SAFETY: rows d and d + 1 of 16 f16 (32 bytes each) lie within the 64 rows of
+        // `k`; the loads are unaligned.
+        let (r0, r1) = unsafe {
+            (
+                _mm512_cvtph_ps(_mm256_loadu_si256(keys.add(d))),
+                _mm512_cvtph_ps(_mm256_loadu_si256(keys.add(d + 1))),
+            )
+        };
+        for j in 0..NR {
+            let row = &q[j * 64..][..64];
+            even[j] = _mm512_fmadd_ps(_mm512_set1_ps(row[d]), r0, even[j]);
+            odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(row[d + 1]), r1, odd[j]);
+        }
+    }
+    for j in 0..NR {
+        let dst = &mut out[j * 16..][..16];
+        // SAFETY: `dst` holds the 16 values stored; the store is unaligned.
+        unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_add_ps(even[j], odd[j])) };
+    }
+}
+
+/// [`ValuesF16`]: each value row converted as it is loaded, the rows' sums in
+/// registers.
+///
+/// # Panics
+/// When `nr` is not 1..=4, `v` holds fewer than the most visible slots' rows, `out`
+/// fewer than `nr` rows, or on a CPU without the features [`available`] checks.
+fn values_f16(w: &BlockWeights<'_>, nr: usize, v: &[half::f16], out: &mut [f32]) {
+    let most = w.visible[..nr.min(ROWS)].iter().copied().max().unwrap_or(0);
+    assert!(
+        (1..=ROWS).contains(&nr)
+            && v.len() >= most * 64
+            && out.len() >= nr * 64
+            && most <= w.bs
+            && w.p.len() >= (nr - 1) * w.bs + most,
+        "one-pass values of {nr} rows: {most} slots, values {}, out {}",
+        v.len(),
+        out.len()
+    );
+    assert!(available(), "AVX-512 attention called on a CPU without it");
+    // SAFETY: the lengths were checked above against what the body reads and writes,
+    // and the features it is compiled for just above.
+    unsafe {
+        match nr {
+            1 => values_f16_avx512::<1>(w, most, v, out),
+            2 => values_f16_avx512::<2>(w, most, v, out),
+            3 => values_f16_avx512::<3>(w, most, v, out),
+            _ => values_f16_avx512::<4>(w, most, v, out),
+        }
+    }
+}
+
+/// # Safety
+/// `v` holds `most * 64` values and `out` `NR * 64`; the CPU has AVX-512F and F16C.
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn values_f16_avx512<const NR: usize>(
+    w: &BlockWeights<'_>,
+    most: usize,
+    v: &[half::f16],
+    out: &mut [f32],
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; NR];
+    for (j, a) in acc.iter_mut().enumerate() {
+        for (c, x) in a.iter_mut().enumerate() {
+            // SAFETY: row j's 64 outputs lie within `out`; the load is unaligned.
+            *x = unsafe { _mm512_loadu_ps(out.as_ptr().add(j * 64 + c * 16)) };
+            if w.rescale[j] != 1.0 {
+                *x = _mm512_mul_ps(*x, _mm512_set1_ps(w.rescale[j]));
+            }
+        }
+    }
+    let values = v.as_ptr().cast::<__m256i>();
+    for slot in 0..most {
+        // SAFETY: slot < most, and `v` holds `most` rows of 64 f16 (four 32-byte
+        // loads each); the loads are unaligned.
+        let row: [__m512; 4] = unsafe {
+            let at = values.add(slot * 4);
+            [
+                _mm512_cvtph_ps(_mm256_loadu_si256(at)),
+                _mm512_cvtph_ps(_mm256_loadu_si256(at.add(1))),
+                _mm512_cvtph_ps(_mm256_loadu_si256(at.add(2))),
+                _mm512_cvtph_ps(_mm256_loadu_si256(at.add(3))),
+            ]
+        };
+        for (j, a) in acc.iter_mut().enumerate() {
+            if slot < w.visible[j] {
+                let p = _mm512_set1_ps(w.p[j * w.bs + slot]);
+                for (x, r) in a.iter_mut().zip(&row) {
+                    *x = _mm512_fmadd_ps(p, *r, *x);
+                }
+            }
+        }
+    }
+    for (j, a) in acc.iter().enumerate() {
+        for (c, x) in a.iter().enumerate() {
+            // SAFETY: row j's 64 outputs lie within `out`; the store is unaligned.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(j * 64 + c * 16), *x) };
+        }
+    }
 }
 
 /// [`super::attention::WidenF16`] 16 values at a time (`vcvtph2ps`), exact as every

@@ -12,14 +12,20 @@ use rayon::prelude::*;
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     assert!(dim > 0 && x.len() == out.len() && x.len().is_multiple_of(dim));
-    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let sum: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        let mean = (sum / dim as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-            *o = v * scale * w;
-        }
-    }
+    // Rows in parallel on the current pool: each row's sum is one chain of dependent
+    // f64 adds (in order, as ggml sums), so a prompt's norms on one thread left the
+    // other idle for 3 % of prompt processing.
+    x.par_chunks_exact(dim)
+        .zip(out.par_chunks_exact_mut(dim))
+        .with_min_len(16)
+        .for_each(|(xr, or)| {
+            let sum: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            let mean = (sum / dim as f64) as f32;
+            let scale = 1.0 / (mean + eps).sqrt();
+            for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+                *o = v * scale * w;
+            }
+        });
 }
 
 /// `x += y`.
@@ -80,9 +86,32 @@ pub fn swiglu(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
         .for_each(|(gu, o)| {
             let (g, u) = gu.split_at(ffn);
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + exp(-g)) * u;
+                *o = silu_mul(g, u);
             }
         });
+}
+
+/// One SwiGLU output from its gate and up values: `silu(g) * u`, `silu(g) = g / (1 +
+/// e^-g)`. [`swiglu`] and the fused product (`kernels::matmul_swiglu`) both use it,
+/// so they give the same bits.
+#[inline(always)]
+#[must_use]
+pub fn silu_mul(g: f32, u: f32) -> f32 {
+    g / (1.0 + exp(-g)) * u
+}
+
+/// `gate[i] = silu_mul(gate[i], up[i])`, for the instruction sets' copies to compile
+/// (`avx512::silu_mul_in_place`, `avx2::silu_mul_in_place`): the same operations in
+/// the same order, so the same bits, 16 or 8 lanes at a time.
+///
+/// # Panics
+/// When the slices differ in length.
+#[inline(always)]
+pub fn silu_mul_in_place_impl(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "SwiGLU of gate and up of two lengths");
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = silu_mul(*g, u);
+    }
 }
 
 /// Cosines and sines of ggml's "normal" RoPE for one position: pair `i` (dims `2i`,

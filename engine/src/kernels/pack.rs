@@ -227,6 +227,30 @@ impl PackedMatrix {
         self.nblocks() * self.stride()
     }
 
+    /// Asks the CPU to bring block `b` of group `g` into its caches; nothing when there
+    /// is no such group. The tile kernels ask for the next group's blocks as they
+    /// compute the current one's: tasks walk their groups in order, and a decode step's
+    /// weights come from memory, where the tiles waited on each group's first loads.
+    #[inline(always)]
+    pub fn prefetch_block(&self, g: usize, b: usize) {
+        if g >= self.groups() || b >= self.nblocks() {
+            return;
+        }
+        let block = &self.data()[g * self.group_bytes() + b * self.stride()..][..self.stride()];
+        #[cfg(target_arch = "x86_64")]
+        for line in block.chunks(64) {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            // SAFETY: a prefetch is a hint: it never faults and changes no state a
+            // program can observe; the address is inside a live slice anyway.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = block;
+    }
+
     /// The unsigned quant `u` of row lane `lane` (0..16), element `k` of a block.
     #[must_use]
     pub fn quant_in_block(kind: PackedKind, blk: &[u8], lane: usize, k: usize) -> u8 {

@@ -363,3 +363,59 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The fused product gives the bits of the product followed by `ops::swiglu`, on
+    /// every path, past two row blocks and with several groups per half.
+    #[test]
+    fn fused_swiglu_is_the_product_then_swiglu(
+        half_groups in 1usize..4,
+        cb in 1usize..4,
+        n in 1usize..140,
+        q8 in any::<bool>(),
+        seed in proptest::collection::vec(any::<u8>(), 64..256),
+        xs in proptest::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        let (ffn, cols) = (half_groups * GROUP, cb * QK);
+        let format = if q8 { WeightFormat::Q8_0 } else { WeightFormat::Q4_1 };
+        let raw = random_blocks(format, 2 * ffn, cols, &seed);
+        let half = ffn * format.row_bytes(cols).unwrap();
+        let packed = PackedMatrix::pack(cols, &[
+            RowSource { format, rows: ffn, data: &raw[..half] },
+            RowSource { format, rows: ffn, data: &raw[half..] },
+        ]).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|i| xs[i % xs.len()] * (1.0 + (i % 5) as f32 * 0.4)).collect();
+        let mut acts = QuantActs::default();
+        acts.quantize(Isa::Scalar, &x, n, cols).unwrap();
+        for isa in Isa::all_available() {
+            let mut gate_up = vec![0f32; n * 2 * ffn];
+            matmul(isa, &packed, &acts, &mut gate_up).unwrap();
+            let mut expected = vec![0f32; n * ffn];
+            ops::swiglu(&gate_up, ffn, &mut expected);
+            let mut fused = vec![f32::NAN; n * ffn];
+            matmul_swiglu(isa, &packed, &acts, &mut fused).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&fused), bits(&expected), "{:?} {:?}", isa, format);
+        }
+    }
+}
+
+#[test]
+fn fused_swiglu_refuses_halves_of_partial_groups() {
+    let raw = random_blocks(WeightFormat::Q4_1, 2 * 8, 32, &[7, 9, 11]);
+    let m = PackedMatrix::pack(
+        32,
+        &[RowSource {
+            format: WeightFormat::Q4_1,
+            rows: 16,
+            data: &raw,
+        }],
+    )
+    .unwrap();
+    let mut acts = QuantActs::default();
+    acts.quantize(Isa::Scalar, &[0.5; 32], 1, 32).unwrap();
+    let err = matmul_swiglu(Isa::Scalar, &m, &acts, &mut [0.0; 8]).unwrap_err();
+    assert!(err.to_string().contains("whole 16-row groups"), "{err}");
+}
