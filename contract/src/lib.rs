@@ -145,6 +145,23 @@ impl EngineCommand {
     }
 }
 
+/// Parses `args` (without the program name) with the flags of `T` alone, as the
+/// program `program` parses them: environment variables included, and clap's error
+/// (which names `program`) for an unknown flag or a bad value. The one parse of
+/// [`OperatorArgs::parse_args`], [`RouterArgs`] and [`ServeArgs::with_extra_args`].
+pub(crate) fn parse_flags<T, I, S>(program: &'static str, args: I) -> Result<T, clap::Error>
+where
+    T: clap::Args + clap::FromArgMatches,
+    I: IntoIterator<Item = S>,
+    S: Into<std::ffi::OsString> + Clone,
+{
+    let mut cmd = T::augment_args(clap::Command::new(program));
+    let argv =
+        std::iter::once(std::ffi::OsString::from(program)).chain(args.into_iter().map(Into::into));
+    let matches = cmd.try_get_matches_from_mut(argv)?;
+    T::from_arg_matches(&matches)
+}
+
 /// A parser holding only the pod subcommands (the engine binary has more).
 #[derive(Debug, clap::Parser)]
 #[command(name = "slipway-engine")]

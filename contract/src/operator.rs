@@ -22,7 +22,7 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
-use clap::{Args, FromArgMatches as _};
+use clap::Args;
 
 use crate::telemetry::{LogArgs, parse_http_url};
 use crate::units::{format_seconds, parse_seconds};
@@ -127,11 +127,7 @@ impl OperatorArgs {
         I: IntoIterator<Item = S>,
         S: Into<std::ffi::OsString> + Clone,
     {
-        let mut cmd = Self::augment_args(clap::Command::new("slipway-operator"));
-        let argv = std::iter::once(std::ffi::OsString::from("slipway-operator"))
-            .chain(args.into_iter().map(Into::into));
-        let matches = cmd.try_get_matches_from_mut(argv)?;
-        Self::from_arg_matches(&matches)
+        crate::parse_flags("slipway-operator", args)
     }
 
     /// The flags that reproduce `self` when parsed. Unset options stay out (so the

@@ -9,7 +9,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use clap::{Args, FromArgMatches as _, ValueEnum};
+use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
 use crate::telemetry::{TelemetryArgs, parse_http_url};
@@ -172,10 +172,7 @@ impl RouterArgs {
     }
 
     pub(crate) fn parse_from(args: impl IntoIterator<Item = String>) -> Result<Self, clap::Error> {
-        let mut cmd = Self::augment_args(clap::Command::new("slipway-router"));
-        let matches =
-            cmd.try_get_matches_from_mut(std::iter::once("slipway-router".to_owned()).chain(args))?;
-        Self::from_arg_matches(&matches)
+        crate::parse_flags("slipway-router", args)
     }
 
     /// The flags that reproduce `self` when parsed.

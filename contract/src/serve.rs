@@ -242,12 +242,11 @@ impl ServeArgs {
     /// # Errors
     /// clap's error for an unknown flag or a bad value in `extra`.
     pub fn with_extra_args<S: AsRef<str>>(&self, extra: &[S]) -> Result<Self, clap::Error> {
-        let mut cmd = Self::augment_args(clap::Command::new("serve"));
-        let argv = std::iter::once("serve".to_owned())
-            .chain(self.to_args())
+        let argv = self
+            .to_args()
+            .into_iter()
             .chain(extra.iter().map(|s| s.as_ref().to_owned()));
-        let matches = cmd.try_get_matches_from_mut(argv)?;
-        Self::from_arg_matches(&matches)
+        crate::parse_flags("serve", argv)
     }
 
     /// The long names (without `--`, sorted) of the flags `extra` sets, whatever their values:
