@@ -24,6 +24,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::ops::exp;
+use super::prefetch;
 
 /// Geometry of one layer of the paged KV store: `[block][k|v][kv_head]`, then keys
 /// transposed as `[dim][slot]` and values as `[slot][dim]`.
@@ -342,32 +343,11 @@ fn tile_body<const BS: usize, const HD: usize>(
 }
 
 /// How many blocks ahead of the one computed [`prefetch`] asks for: one block of one
-/// head is computed in less time than memory takes to deliver it.
+/// head is computed in less time than memory takes to deliver it. A sequence's blocks
+/// lie wherever the allocator put them, so the hardware prefetcher cannot guess the
+/// next one; without this, batched decode waited on memory for each block in turn
+/// (the KV of 64 sequences is far larger than the caches and is read once per step).
 const PREFETCH_AHEAD: usize = 2;
-
-/// Asks the CPU to bring `data` into its caches while the current block is computed.
-/// A sequence's blocks lie wherever the allocator put them, so the hardware
-/// prefetcher cannot guess the next one; without this, batched decode waited on
-/// memory for each block in turn (the KV of 64 sequences is far larger than the
-/// caches and is read once per step).
-#[inline(always)]
-fn prefetch(data: &[f16]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        const LINE: usize = 64 / std::mem::size_of::<f16>();
-        for line in data.chunks(LINE) {
-            // SAFETY: a prefetch is a hint: it never faults and changes no state a
-            // program can observe; the address is inside a live slice anyway.
-            #[allow(unsafe_code)]
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
-}
 
 /// Folds one block into one query row's running softmax: `s` holds the row's
 /// scores for the block's slots, of which the first `n` are visible to it, and

@@ -236,19 +236,9 @@ impl PackedMatrix {
         if g >= self.groups() || b >= self.nblocks() {
             return;
         }
-        let block = &self.data()[g * self.group_bytes() + b * self.stride()..][..self.stride()];
-        #[cfg(target_arch = "x86_64")]
-        for line in block.chunks(64) {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            // SAFETY: a prefetch is a hint: it never faults and changes no state a
-            // program can observe; the address is inside a live slice anyway.
-            #[allow(unsafe_code)]
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = block;
+        super::prefetch(
+            &self.data()[g * self.group_bytes() + b * self.stride()..][..self.stride()],
+        );
     }
 
     /// The unsigned quant `u` of row lane `lane` (0..16), element `k` of a block.
