@@ -246,7 +246,8 @@ pub struct BenchArgs {
     /// Concurrent sequences for aggregate decode.
     #[arg(long, value_delimiter = ',', default_value = "16,64")]
     parallel: Vec<usize>,
-    /// Repetitions of the prompt and single-stream tests.
+    /// Repetitions of each test (prompt, single-stream, and each aggregate decode with
+    /// its prefill); each rate is the tokens of all repetitions over their total time.
     #[arg(long, default_value_t = 3)]
     repetitions: usize,
     /// Split every layer over this many tensor ranks (as `serve --tensor-parallel`).

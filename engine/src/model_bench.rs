@@ -36,8 +36,9 @@ pub struct BenchConfig {
     pub batch_prompt: usize,
     /// Concurrent sequences for aggregate decode.
     pub parallel: Vec<usize>,
-    /// Repetitions of the prompt and single-stream tests (their mean is reported,
-    /// as llama-bench reports its mean).
+    /// Repetitions of every test: the prompt and single-stream tests, and each
+    /// aggregate decode, prefill included. Each rate reported is the tokens of all
+    /// repetitions over their total time (llama-bench averages its repetitions too).
     pub repetitions: usize,
 }
 
@@ -125,6 +126,18 @@ fn greedy(n: usize) -> Vec<Option<SeqSampling>> {
     vec![Some(one); n]
 }
 
+/// `tokens` of one sequence from position `start_pos`, its blocks `table`; logits of
+/// the last.
+fn chunk(tokens: Vec<u32>, start_pos: usize, table: &[u32]) -> SeqChunk {
+    SeqChunk {
+        tokens,
+        start_pos,
+        block_table: table.to_vec(),
+        logits: LogitsWanted::Last,
+        adapter: None,
+    }
+}
+
 /// The token sequence `i` sampled (0 if it sampled none, which greedy steps never do).
 fn token(out: &ModelOutput, i: usize) -> u32 {
     out.sampled.get(i).copied().flatten().map_or(0, |s| s.token)
@@ -144,16 +157,6 @@ pub fn run(
     let geo = runner.kv_geometry();
     let vocab = runner.config().vocab;
     let mut alloc = BlockAllocator::new(geo.num_blocks);
-    let one = |n: usize, start: usize, table: &[u32], tokens: Vec<u32>| {
-        debug_assert_eq!(tokens.len(), n);
-        SeqChunk {
-            tokens,
-            start_pos: start,
-            block_table: table.to_vec(),
-            logits: LogitsWanted::Last,
-            adapter: None,
-        }
-    };
 
     let mut table = Vec::new();
     alloc.ensure(
@@ -167,14 +170,14 @@ pub fn run(
     let warm_up = synthetic(config.prompt_tokens, config.repetitions, vocab);
     runner.execute(
         &Batch {
-            seqs: vec![one(config.prompt_tokens, 0, &table, warm_up)],
+            seqs: vec![chunk(warm_up, 0, &table)],
         },
         &greedy(1),
     )?;
     let warm_up = synthetic(1, config.repetitions, vocab);
     runner.execute(
         &Batch {
-            seqs: vec![one(1, 0, &table, warm_up)],
+            seqs: vec![chunk(warm_up, 0, &table)],
         },
         &greedy(1),
     )?;
@@ -184,7 +187,7 @@ pub fn run(
         let t = Instant::now();
         runner.execute(
             &Batch {
-                seqs: vec![one(config.prompt_tokens, 0, &table, prompt)],
+                seqs: vec![chunk(prompt, 0, &table)],
             },
             &greedy(1),
         )?;
@@ -195,7 +198,7 @@ pub fn run(
         for pos in 0..config.gen_tokens {
             let out = runner.execute(
                 &Batch {
-                    seqs: vec![one(1, pos, &table, vec![tok])],
+                    seqs: vec![chunk(vec![tok], pos, &table)],
                 },
                 &greedy(1),
             )?;
@@ -212,59 +215,19 @@ pub fn run(
     let mut aggregate_tps = Vec::new();
     let mut bytes_per_decode_step = Vec::new();
     for &np in &config.parallel {
-        let mut tables = Vec::with_capacity(np);
-        for _ in 0..np {
-            let mut t = Vec::new();
-            alloc.ensure(
-                &mut t,
-                config.batch_prompt + config.gen_tokens,
-                geo.block_size,
-            )?;
-            tables.push(t);
-        }
-        let mut next = vec![0u32; np];
-        // Prefill in steps of at most 512 tokens, as llama-batched-bench's ubatch.
-        let per_step = (512 / config.batch_prompt).max(1);
-        for group in (0..np).collect::<Vec<_>>().chunks(per_step) {
-            let seqs = group
-                .iter()
-                .map(|&i| {
-                    one(
-                        config.batch_prompt,
-                        0,
-                        &tables[i],
-                        synthetic(config.batch_prompt, i + 100, vocab),
-                    )
-                })
-                .collect();
-            let out = runner.execute(&Batch { seqs }, &greedy(group.len()))?;
-            for (k, &i) in group.iter().enumerate() {
-                next[i] = token(&out, k);
+        let (mut decode_s, mut sent_bytes) = (0f64, vec![0u64; sent.len()]);
+        for rep in 0..config.repetitions {
+            let before = read();
+            decode_s += aggregate_decode(runner, config, &mut alloc, (np, rep))?;
+            for ((total, after), before) in sent_bytes.iter_mut().zip(read()).zip(&before) {
+                *total += after - before;
             }
         }
-        let before = read();
-        let t = Instant::now();
-        for step in 0..config.gen_tokens {
-            let seqs = (0..np)
-                .map(|i| one(1, config.batch_prompt + step, &tables[i], vec![next[i]]))
-                .collect();
-            let out = runner.execute(&Batch { seqs }, &greedy(np))?;
-            for (i, n) in next.iter_mut().enumerate() {
-                *n = token(&out, i);
-            }
-        }
-        let tps = (np * config.gen_tokens) as f64 / t.elapsed().as_secs_f64();
-        let per_step = read()
-            .iter()
-            .zip(&before)
-            .map(|(after, before)| (after - before) as f64 / config.gen_tokens as f64)
-            .collect();
+        let steps = (config.repetitions * config.gen_tokens) as f64;
+        let tps = np as f64 * steps / decode_s;
         tracing::info!(parallel = np, tps, "aggregate decode");
         aggregate_tps.push((np, tps));
-        bytes_per_decode_step.push((np, per_step));
-        for t in &tables {
-            alloc.release(t)?;
-        }
+        bytes_per_decode_step.push((np, sent_bytes.iter().map(|&b| b as f64 / steps).collect()));
     }
     Ok(BenchReport {
         prompt_tps,
@@ -272,6 +235,59 @@ pub fn run(
         aggregate_tps,
         bytes_per_decode_step,
     })
+}
+
+/// One repetition of the aggregate decode of `np` sequences: prefills them (untimed),
+/// then times `gen_tokens` steps of one token each; returns the seconds those took.
+fn aggregate_decode(
+    runner: &mut dyn ModelRunner,
+    config: &BenchConfig,
+    alloc: &mut BlockAllocator,
+    (np, rep): (usize, usize),
+) -> Result<f64, GenerateError> {
+    let vocab = runner.config().vocab;
+    let mut tables = Vec::with_capacity(np);
+    for _ in 0..np {
+        let mut t = Vec::new();
+        alloc.ensure(
+            &mut t,
+            config.batch_prompt + config.gen_tokens,
+            runner.kv_geometry().block_size,
+        )?;
+        tables.push(t);
+    }
+    let mut next = vec![0u32; np];
+    // Prefill in steps of at most 512 tokens, as llama-batched-bench's ubatch; each
+    // repetition's prompts differ.
+    let per_step = (512 / config.batch_prompt).max(1);
+    for group in (0..np).collect::<Vec<_>>().chunks(per_step) {
+        let seqs = group
+            .iter()
+            .map(|&i| {
+                let prompt = synthetic(config.batch_prompt, 100 + rep * np + i, vocab);
+                chunk(prompt, 0, &tables[i])
+            })
+            .collect();
+        let out = runner.execute(&Batch { seqs }, &greedy(group.len()))?;
+        for (k, &i) in group.iter().enumerate() {
+            next[i] = token(&out, k);
+        }
+    }
+    let t = Instant::now();
+    for step in 0..config.gen_tokens {
+        let seqs = (0..np)
+            .map(|i| chunk(vec![next[i]], config.batch_prompt + step, &tables[i]))
+            .collect();
+        let out = runner.execute(&Batch { seqs }, &greedy(np))?;
+        for (i, n) in next.iter_mut().enumerate() {
+            *n = token(&out, i);
+        }
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    for t in &tables {
+        alloc.release(t)?;
+    }
+    Ok(seconds)
 }
 
 /// Weight multiply-adds one token costs, from the model's shapes: the int8 matrix
@@ -342,6 +358,102 @@ pub fn weight_bytes_per_token(tensors: &[(&str, u64)], vocab: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{BackendError, KvGeometry, Logits};
+
+    /// Records each step's sequences as `(tokens, start position)` and answers
+    /// uniform logits; refuses a step whose block table does not cover its tokens.
+    struct Recorder {
+        config: LlamaConfig,
+        geometry: KvGeometry,
+        steps: Vec<Vec<(Vec<u32>, usize)>>,
+    }
+
+    impl ModelRunner for Recorder {
+        fn config(&self) -> &LlamaConfig {
+            &self.config
+        }
+
+        fn kv_geometry(&self) -> KvGeometry {
+            self.geometry
+        }
+
+        fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+            let mut logits = Logits {
+                vocab: self.config.vocab,
+                ..Logits::default()
+            };
+            for (i, s) in batch.seqs.iter().enumerate() {
+                let end = s.start_pos + s.tokens.len();
+                if s.block_table.len() * self.geometry.block_size < end {
+                    return Err(BackendError::InvalidBatch("short block table".into()));
+                }
+                logits.data.extend(vec![0.0; self.config.vocab]);
+                logits.spans.push(i..i + 1);
+            }
+            self.steps.push(
+                batch
+                    .seqs
+                    .iter()
+                    .map(|s| (s.tokens.clone(), s.start_pos))
+                    .collect(),
+            );
+            Ok(logits)
+        }
+    }
+
+    #[test]
+    fn each_repetition_prefills_and_decodes_every_parallel_batch_anew() {
+        let config = BenchConfig {
+            prompt_tokens: 8,
+            gen_tokens: 3,
+            batch_prompt: 4,
+            parallel: vec![2, 5],
+            repetitions: 2,
+        };
+        let mut runner = Recorder {
+            config: LlamaConfig {
+                vocab: 50,
+                ..LlamaConfig::default()
+            },
+            // Exactly what the runs need at once: a repetition that kept its blocks
+            // would leave the next too few.
+            geometry: KvGeometry {
+                block_size: 4,
+                num_blocks: config.blocks_needed(4),
+            },
+            steps: Vec::new(),
+        };
+        let report = run(&mut runner, &config, &[]).expect("bench runs");
+        let parallel: Vec<usize> = report.aggregate_tps.iter().map(|&(n, _)| n).collect();
+        assert_eq!(parallel, [2, 5]);
+        assert!(
+            report
+                .aggregate_tps
+                .iter()
+                .all(|&(_, tps)| tps.is_finite() && tps > 0.0)
+        );
+        // After the warm-up and prompt/single-stream steps: per width and repetition,
+        // one prefill step (5 prompts of 4 fit one 512-token step), then 3 decode
+        // steps of one token per sequence at positions 4, 5, 6.
+        let single = 2 + 2 * (1 + 3);
+        let aggregate = &runner.steps[single..];
+        assert_eq!(aggregate.len(), 2 * 2 * (1 + 3));
+        let mut prompts = Vec::new();
+        for (i, (np, _rep)) in [(2, 0), (2, 1), (5, 0), (5, 1)].into_iter().enumerate() {
+            let steps = &aggregate[i * 4..(i + 1) * 4];
+            assert!(steps[0].iter().all(|(t, p)| t.len() == 4 && *p == 0));
+            assert_eq!(steps[0].len(), np);
+            prompts.push(steps[0][0].0.clone());
+            for (k, step) in steps[1..].iter().enumerate() {
+                assert_eq!(step.len(), np);
+                assert!(step.iter().all(|(t, p)| t.len() == 1 && *p == 4 + k));
+            }
+        }
+        assert_ne!(
+            prompts[0], prompts[1],
+            "each repetition prefills new prompts"
+        );
+    }
 
     #[test]
     fn token_macs_match_a_hand_count() {
