@@ -104,19 +104,28 @@ impl Isa {
     }
 }
 
-/// Asks the CPU to bring `data` into its level-2 cache (`prefetcht1`), a line at a
-/// time, while the caller computes on what it already has: decode's weight groups
-/// and KV blocks come from memory, at addresses the hardware prefetcher cannot
-/// guess. Level 2, not level 1 (`prefetcht0`): a level-1 request holds one of the
-/// core's few level-1 miss buffers until its line arrives, and a block's 32–64 lines
-/// asked at once filled them, so the loads behind them waited as if unprefetched
-/// (Zen 4: decode attention over KV from memory took 490 ns per block of one head
-/// with level-1 requests, 320 with level-2 ones and 290 with the KV in cache).
+/// Which cache [`prefetch`] fills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CacheLevel {
+    /// Level 1 (`prefetcht0`): for data needed next, already in level 2.
+    L1,
+    /// Level 2 (`prefetcht1`): for data further ahead, still in memory.
+    L2,
+}
+
+/// Asks the CPU to bring `data` into `level`, a line at a time, while the caller
+/// computes on what it already has: decode's weight groups and KV blocks come from
+/// memory, at addresses the hardware prefetcher cannot guess. From memory, ask for
+/// level 2: a level-1 request holds one of the core's few level-1 miss buffers until
+/// its line arrives, and a block's 32–64 lines asked at once filled them, so the loads
+/// behind them waited as if unprefetched (Zen 4: decode attention over KV from memory
+/// took 490 ns per block of one head with level-1 requests, 320 with level-2 ones and
+/// 290 with the KV in cache).
 #[inline(always)]
-pub(crate) fn prefetch<T>(data: &[T]) {
+pub(crate) fn prefetch<T>(data: &[T], level: CacheLevel) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         const LINE: usize = 64;
         let start = data.as_ptr().cast::<i8>();
         for offset in (0..std::mem::size_of_val(data)).step_by(LINE) {
@@ -125,12 +134,16 @@ pub(crate) fn prefetch<T>(data: &[T]) {
             // observe.
             #[allow(unsafe_code)]
             unsafe {
-                _mm_prefetch::<_MM_HINT_T1>(start.add(offset));
+                let line = start.add(offset);
+                match level {
+                    CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(line),
+                    CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(line),
+                }
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+    let _ = (data, level);
 }
 
 fn group_kernel(

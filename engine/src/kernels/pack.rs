@@ -238,6 +238,7 @@ impl PackedMatrix {
         }
         super::prefetch(
             &self.data()[g * self.group_bytes() + b * self.stride()..][..self.stride()],
+            super::CacheLevel::L2,
         );
     }
 
