@@ -136,6 +136,11 @@ pub fn argmax(logits: &[f32]) -> usize {
 /// the penalties) and `uniform`, a draw in `[0, 1)` (unused when greedy).
 #[must_use]
 pub fn sample_token(p: &SamplingParams, logits: &[f32], history: &[u32], uniform: f64) -> u32 {
+    if p.is_greedy() && !p.penalizes() {
+        // Nothing changes the logits: no copy of the row (a vocabulary of floats per
+        // sequence and step).
+        return argmax(logits) as u32;
+    }
     let mut l = logits.to_vec();
     if p.penalizes() {
         let mut counts = std::collections::HashMap::<u32, u32>::new();
