@@ -284,11 +284,9 @@ fn tile_body<const BS: usize, const HD: usize>(
             if let Some(&block) = table.get(first).filter(|_| first <= last / bs) {
                 let seen = bs.min(last + 1 - first * bs);
                 let keys = &layer[layout.offset(block as usize, false, head)..][..hd * bs];
+                let values = &layer[layout.offset(block as usize, true, head)..][..seen * hd];
                 prefetch(keys, level);
-                prefetch(
-                    &layer[layout.offset(block as usize, true, head)..][..seen * hd],
-                    level,
-                );
+                prefetch(values, level);
             }
         }
         // Slots of this block the tile's last token sees; earlier tokens see fewer.
