@@ -273,16 +273,19 @@ pub async fn cpu_sample_is_ready_on_real_nodes_and_answers(env: Arc<Env>) -> any
 /// An endpoint's (ready, serving, terminating), or `None` once it left the slices.
 type EndpointState = Option<(bool, bool, bool)>;
 
-/// The states one endpoint went through, sampled until it left the slices.
+/// The states one endpoint went through, sampled until it left the slices or for
+/// `patience`. It leaves only once the pod object is gone, which comes after the engine's
+/// last log line (the kubelet reports the exit, then the pod is removed): the watch
+/// ends on its own, not when the streams do.
 async fn watch_endpoint(
     admin: kube::Client,
     namespace: String,
     pod: String,
-    stop: Arc<AtomicBool>,
+    patience: Duration,
 ) -> anyhow::Result<Vec<(Timestamp, EndpointState)>> {
     let mut states: Vec<(Timestamp, EndpointState)> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+    let deadline = Instant::now() + patience;
+    while Instant::now() < deadline {
         let now = engine_endpoints(&admin, &namespace, ISVC)
             .await?
             .into_iter()
@@ -348,12 +351,11 @@ pub async fn drain_under_load_finishes_every_stream(env: Arc<Env>) -> anyhow::Re
         "not all {STREAMS} streams got a first token: {admitted:?}"
     );
 
-    let stop = Arc::new(AtomicBool::new(false));
     let watcher = tokio::spawn(watch_endpoint(
         running.ns.admin.clone(),
         running.ns.name().to_owned(),
         name.clone(),
-        Arc::clone(&stop),
+        Duration::from_secs(u64::try_from(grace).unwrap_or(0) + 60),
     ));
     let deleted_at = Timestamp::now();
     running
@@ -398,7 +400,6 @@ pub async fn drain_under_load_finishes_every_stream(env: Arc<Env>) -> anyhow::Re
         .filter_map(|s| s.last_token)
         .max()
         .context("no stream saw a token")?;
-    stop.store(true, Ordering::Relaxed);
     let states = watcher.await.context("endpoint watcher panicked")??;
 
     let delay = running.status().await.ok();
