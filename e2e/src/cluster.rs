@@ -191,7 +191,8 @@ impl ClusterGuard {
         let script = cluster_script("up");
         let command_line = script.display().to_string();
         tracing::info!(script = %command_line, "bringing the e2e cluster up");
-        let output = Command::new(&script)
+        // `up` builds the images' binaries with cargo.
+        let output = crate::build::without_package_env(&mut Command::new(&script))
             .stdin(Stdio::null())
             .stderr(Stdio::inherit())
             .output()
