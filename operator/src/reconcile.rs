@@ -6,7 +6,7 @@
 //! a no-op reconcile writes nothing at all. An invalid spec waits for a change; an API
 //! error is retried after a bounded delay.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -69,6 +69,65 @@ pub struct Context {
     /// reconcile. [`run`] fills them; a context that never ran has caches that never
     /// become ready.
     pub caches: Caches,
+    /// The status this process last wrote, per InferenceService.
+    pub written: WrittenStatuses,
+}
+
+/// The status this process last wrote to each InferenceService (by uid), as the API
+/// server returned it, until the controller's cache shows it.
+///
+/// The cache lags this process's own writes: a reconcile started by another watch
+/// (a node coming back) can read the object as it was before the last status write.
+/// Planned from that older status, a condition that flipped and flipped back looks
+/// unchanged, and its event is lost (a zone's recovery went unreported so). Only the
+/// leader writes status, so what it wrote last is the newest; an entry goes once the
+/// cache holds the same status, so the map holds only the objects whose cache lags.
+#[derive(Clone, Default)]
+pub struct WrittenStatuses(Arc<std::sync::Mutex<HashMap<String, InferenceServiceStatus>>>);
+
+impl WrittenStatuses {
+    /// The status to plan from: what this process wrote last when the cache has not
+    /// caught up with it, else the cached one.
+    fn previous(&self, isvc: &InferenceService) -> Option<InferenceServiceStatus> {
+        let uid = isvc.metadata.uid.as_deref()?;
+        let mut written = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let newest = newer_status(isvc.status.as_ref(), written.get(uid));
+        if newest.is_none() {
+            written.remove(uid);
+        }
+        newest
+    }
+
+    fn remember(&self, isvc: &InferenceService, status: Option<InferenceServiceStatus>) {
+        let (Some(uid), Some(status)) = (isvc.metadata.uid.clone(), status) else {
+            return;
+        };
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(uid, status);
+    }
+
+    fn forget(&self, isvc: &InferenceService) {
+        if let Some(uid) = isvc.metadata.uid.as_deref() {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(uid);
+        }
+    }
+}
+
+/// What this process wrote when the cached status differs from it (the cache has not
+/// seen the write yet); `None` when the cache holds it, or nothing was written.
+fn newer_status(
+    cached: Option<&InferenceServiceStatus>,
+    written: Option<&InferenceServiceStatus>,
+) -> Option<InferenceServiceStatus> {
+    written.filter(|w| cached != Some(*w)).cloned()
 }
 
 /// The reflector stores `observe` reads. Pods and Services are not among them: the
@@ -183,6 +242,7 @@ impl Context {
             engine_otlp_endpoint: None,
             router_image: None,
             caches: Caches::unfilled(),
+            written: WrittenStatuses::default(),
         }
     }
 }
@@ -424,8 +484,21 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
         if let Some(namespace) = isvc.namespace() {
             ctx.metrics.forget_service(&namespace, &isvc.name_any());
         }
+        ctx.written.forget(isvc);
         return Ok(Action::await_change());
     }
+    // Planned from the newest status: what this process wrote, if the cache lags it.
+    let newer;
+    let isvc = match ctx.written.previous(isvc) {
+        Some(status) => {
+            newer = InferenceService {
+                status: Some(status),
+                ..isvc.clone()
+            };
+            &newer
+        }
+        None => isvc,
+    };
     let namespace = isvc
         .namespace()
         .ok_or(Error::MissingMetadata("namespace"))?;
@@ -461,7 +534,8 @@ async fn reconcile_inner(isvc: &InferenceService, ctx: &Context) -> Result<Actio
     }
     delete(&ctx.client, &namespace, &plan).await?;
     if isvc.status.as_ref() != Some(&plan.status) {
-        publish_status(&ctx.client, &namespace, &name, &plan.status).await?;
+        let written = publish_status(&ctx.client, &namespace, &name, &plan.status).await?;
+        ctx.written.remember(isvc, written.status);
     }
     record_events(isvc, ctx, &plan.events).await;
     let rollbacks = plan
@@ -660,10 +734,13 @@ async fn report_apply_failure(
     let previous = isvc.status.clone().unwrap_or_default();
     let generation = isvc.metadata.generation.unwrap_or(0);
     let (status, events) = plan::apply_failed(&previous, generation, &failure, now);
-    if isvc.status.as_ref() != Some(&status)
-        && let Err(error) = publish_status(&ctx.client, namespace, &name, &status).await
-    {
-        warn!(%error, %name, %namespace, "could not report the failed apply in status");
+    if isvc.status.as_ref() != Some(&status) {
+        match publish_status(&ctx.client, namespace, &name, &status).await {
+            Ok(written) => ctx.written.remember(isvc, written.status),
+            Err(error) => {
+                warn!(%error, %name, %namespace, "could not report the failed apply in status");
+            }
+        }
     }
     record_events(isvc, ctx, &events).await;
 }
@@ -1037,7 +1114,7 @@ async fn publish_status(
     namespace: &str,
     name: &str,
     status: &InferenceServiceStatus,
-) -> Result<(), Error> {
+) -> Result<InferenceService, Error> {
     let patch = serde_json::json!({
         "apiVersion": InferenceService::api_version(&()),
         "kind": InferenceService::kind(&()),
@@ -1050,8 +1127,7 @@ async fn publish_status(
             &Patch::Apply(&patch),
         )
         .await
-        .map_err(Error::Status)?;
-    Ok(())
+        .map_err(Error::Status)
 }
 
 /// The `action` of a recorded event. kube's `Recorder` folds events with the same type,
@@ -1071,6 +1147,52 @@ mod tests {
     use futures::stream::FuturesUnordered;
 
     use super::*;
+
+    /// The CPU sample, as the controller's cache would hold it, with `uid` and
+    /// `status`.
+    fn cached(uid: &str, status: Option<&InferenceServiceStatus>) -> InferenceService {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../manifests/samples/smollm2-cpu.yaml"
+        );
+        let text = std::fs::read_to_string(path).expect("the CPU sample");
+        let mut isvc: InferenceService = serde_yaml::from_str(&text).expect("a valid sample");
+        isvc.metadata.uid = Some(uid.to_owned());
+        isvc.status = status.cloned();
+        isvc
+    }
+
+    fn status(stable: &str) -> InferenceServiceStatus {
+        InferenceServiceStatus {
+            stable_release: Some(stable.to_owned()),
+            ..InferenceServiceStatus::default()
+        }
+    }
+
+    #[test]
+    fn a_reconcile_plans_from_the_status_it_wrote_until_the_cache_shows_it() {
+        let written = WrittenStatuses::default();
+        let (before, after) = (status("old"), status("new"));
+        // Nothing written: the cache's status.
+        assert_eq!(written.previous(&cached("a", Some(&before))), None);
+        written.remember(&cached("a", Some(&before)), Some(after.clone()));
+        // The cache lags the write: the written status, as long as it lags.
+        assert_eq!(
+            written.previous(&cached("a", Some(&before))),
+            Some(after.clone())
+        );
+        assert_eq!(written.previous(&cached("a", None)), Some(after.clone()));
+        // Another object is not affected.
+        assert_eq!(written.previous(&cached("b", Some(&before))), None);
+        // The cache caught up: its status, and the entry is gone, so a later status
+        // in the cache (from another writer) is taken as it is.
+        assert_eq!(written.previous(&cached("a", Some(&after))), None);
+        assert_eq!(written.previous(&cached("a", Some(&before))), None);
+        // Deleted: forgotten.
+        written.remember(&cached("a", Some(&before)), Some(after.clone()));
+        written.forget(&cached("a", Some(&before)));
+        assert_eq!(written.previous(&cached("a", Some(&before))), None);
+    }
 
     /// The controller polls its reconciles in one task, each with its own waker; all
     /// that wait for the caches at start-up must wake once the first lists arrive.
