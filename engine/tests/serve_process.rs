@@ -94,7 +94,16 @@ fn metric(text: &str, name: &str, outcome: Option<Outcome>) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_with_16_streams_in_flight_completes_them_all_and_exits_0() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut server = start_server(&["--max-num-seqs", "16", "--shutdown-timeout-ms", "60000"]);
+    // 40 ms a decode step at least (test-only injection): the 40-token streams are still
+    // running when the checks below need them to, however fast the build.
+    let mut server = start_server(&[
+        "--max-num-seqs",
+        "16",
+        "--shutdown-timeout-ms",
+        "60000",
+        "--inject-delay-ms",
+        "40",
+    ]);
     let c = client();
     let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
     let mut streams = Vec::new();

@@ -39,6 +39,13 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// One test at a time: each starts two or three processes that each want a core.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Flags for the engines of the tests that need a stream still running seconds after
+/// it started (a drain, a kill): each decode step takes at least 40 ms (test-only
+/// fault injection), so a long stream lasts as long on a fast build as on a slow one.
+/// These tests once leaned on the dev build's slowness (100 ms and more a token); at a
+/// few milliseconds a token, 96 tokens can end before the checks that need them running.
+const PACED: &[&str] = &["--inject-delay-ms", "40"];
+
 /// An engine with `--threads 1` and `extra` flags, its logs at `warn`.
 fn engine(extra: &[&str]) -> EngineProcess {
     let args = ServeArgs {
@@ -550,7 +557,7 @@ async fn prefix_heavy_requests_land_where_the_router_predicted_their_cached_toke
 async fn killing_an_engine_mid_stream_ends_its_streams_with_an_error_and_later_requests_go_to_the_other()
  {
     let _serial = SERIAL.lock().await;
-    let (doomed, survivor) = (engine(&[]), engine(&[]));
+    let (doomed, survivor) = (engine(PACED), engine(PACED));
     let router = router(&[&doomed, &survivor], None);
     let http = client();
     wait_for_models(&http, &router).await;
@@ -648,7 +655,7 @@ async fn killing_an_engine_mid_stream_ends_its_streams_with_an_error_and_later_r
 #[tokio::test]
 async fn a_draining_engine_gets_no_new_requests_and_finishes_its_stream() {
     let _serial = SERIAL.lock().await;
-    let (a, b) = (engine(&[]), engine(&[]));
+    let (a, b) = (engine(PACED), engine(PACED));
     let router = router(&[&a, &b], None);
     let http = client();
     wait_for_models(&http, &router).await;
@@ -840,7 +847,7 @@ async fn a_ten_percent_canary_gets_ten_percent_of_requests_and_sessions_stick_to
 #[tokio::test]
 async fn sigterm_drains_the_router_its_stream_in_flight_completes_and_it_exits_zero() {
     let _serial = SERIAL.lock().await;
-    let engine = engine(&[]);
+    let engine = engine(PACED);
     let mut router = router(&[&engine], None);
     let http = client();
     wait_for_models(&http, &router).await;
