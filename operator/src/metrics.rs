@@ -151,7 +151,7 @@ pub struct Metrics {
 
 /// A poisoned lock only means another thread panicked mid-update; the values are
 /// still usable.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 

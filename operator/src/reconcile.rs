@@ -39,7 +39,7 @@ use tracing::{debug, info, warn};
 use crate::demand::DemandReader;
 use crate::error::Error;
 use crate::labels;
-use crate::metrics::{Metrics, ServiceGauges};
+use crate::metrics::{self, Metrics, ServiceGauges};
 use crate::nodes;
 use crate::observed::{self, LabelledKind, Observed};
 use crate::plan::{self, Plan};
@@ -90,10 +90,7 @@ impl WrittenStatuses {
     /// caught up with it, else the cached one.
     fn previous(&self, isvc: &InferenceService) -> Option<InferenceServiceStatus> {
         let uid = isvc.metadata.uid.as_deref()?;
-        let mut written = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut written = metrics::lock(&self.0);
         let newest = newer_status(isvc.status.as_ref(), written.get(uid));
         if newest.is_none() {
             written.remove(uid);
@@ -105,18 +102,12 @@ impl WrittenStatuses {
         let (Some(uid), Some(status)) = (isvc.metadata.uid.clone(), status) else {
             return;
         };
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(uid, status);
+        metrics::lock(&self.0).insert(uid, status);
     }
 
     fn forget(&self, isvc: &InferenceService) {
         if let Some(uid) = isvc.metadata.uid.as_deref() {
-            self.0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(uid);
+            metrics::lock(&self.0).remove(uid);
         }
     }
 }
