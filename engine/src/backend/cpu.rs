@@ -43,6 +43,7 @@
 //! stages run the same arithmetic as one process.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
@@ -291,8 +292,11 @@ impl CpuBackend {
                 ..Logits::default()
             })
         } else {
+            // A shard's step waits on its peers in the all-reduce, where a worker kept
+            // awake would take a core from the ranks that share the machine.
+            let awake = self.weights.part.shard.is_none();
             let pool = Arc::clone(&self.pool);
-            pool.install(|| self.step_inner(batch, input, all_reduce))?
+            run_step(&pool, awake, || self.step_inner(batch, input, all_reduce))?
         };
         Ok(match logits {
             Some(logits) => StageOutput::Logits(logits),
@@ -753,10 +757,54 @@ impl ModelRunner for CpuBackend {
                 ..Logits::default()
             });
         }
-        // Running the whole step inside the pool keeps the caller's thread a worker,
-        // so each product's fork/join does not cross into a sleeping thread.
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.step_inner(batch, StageInput::Tokens, &mut |_| Ok(())))?
-            .ok_or_else(|| BackendError::Stage("a whole model returned no logits".into()))
+        run_step(&pool, true, || {
+            self.step_inner(batch, StageInput::Tokens, &mut |_| Ok(()))
+        })?
+        .ok_or_else(|| BackendError::Stage("a whole model returned no logits".into()))
     }
+}
+
+/// Runs one step on `pool`; with `awake`, the pool's other workers stay awake until it
+/// returns.
+///
+/// Running the whole step inside the pool keeps the caller's thread a worker, so each
+/// product's fork/join does not cross into a sleeping thread. But a step is hundreds
+/// of parallel passes (products, quantizations, attention) with a few microseconds of
+/// serial work between them (norms, the KV write), and between two passes rayon's
+/// idle workers yield 32 times and then sleep: waking one again (a futex, and in a VM
+/// an interrupt to a halted virtual CPU) cost more than a decode step's quantization
+/// itself. So each other worker runs a job that takes the pool's pending work
+/// (`rayon::yield_now`) and, finding none, yields its core as rayon's own idle rounds
+/// do (`std::thread::yield_now`, so the HTTP and tokenizer threads get it whenever
+/// they are runnable), until the step ends; between steps they sleep as before.
+fn run_step<R: Send>(pool: &rayon::ThreadPool, awake: bool, step: impl FnOnce() -> R + Send) -> R {
+    pool.install(|| {
+        let Some(me) = rayon::current_thread_index().filter(|_| awake) else {
+            return step();
+        };
+        if rayon::current_num_threads() < 2 {
+            return step();
+        }
+        /// Ends the other workers' jobs when the step returns or unwinds.
+        struct Done(Arc<AtomicBool>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let done = Done(Arc::new(AtomicBool::new(false)));
+        let flag = Arc::clone(&done.0);
+        rayon::spawn_broadcast(move |worker| {
+            if worker.index() == me {
+                return;
+            }
+            while !flag.load(Ordering::Acquire) {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::thread::yield_now();
+                }
+            }
+        });
+        step()
+    })
 }
