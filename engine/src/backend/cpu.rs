@@ -475,7 +475,6 @@ tokens of width {dim}{}",
         );
         let group = c.n_heads / c.n_kv_heads;
         let layout = self.kv.layout();
-        let bs = layout.block_size;
         let n: usize = batch.num_tokens();
         // Per token: position, owning chunk and RoPE table.
         let mut pos = Vec::with_capacity(n);
@@ -486,6 +485,13 @@ tokens of width {dim}{}",
                 seq_of.push(i);
             }
         }
+        let bs = layout.block_size;
+        // Where each token's keys and values go: (block, slot).
+        let slots: Vec<(u32, usize)> = pos
+            .iter()
+            .zip(&seq_of)
+            .map(|(&p, &i)| (batch.seqs[i].block_table[p / bs], p % bs))
+            .collect();
         let rope: Vec<Vec<(f32, f32)>> = pos
             .iter()
             .map(|&p| ops::rope_table(p, c.rope_dims, c.rope_base))
@@ -512,6 +518,8 @@ tokens of width {dim}{}",
         for (li, layer) in w.layers.iter().enumerate() {
             // LoRA adapters are indexed by model layer, the stage's KV by its own.
             let model_layer = first_layer + li;
+            // Requested a product ahead of the writes below.
+            self.kv.prefetch_slots(li, slots.iter().copied());
             ops::rms_norm(&sc.x, &layer.attn_norm, c.norm_eps, &mut sc.h);
             Self::run_linear(isa, &layer.qkv, &sc.h, n, &mut sc.acts, &mut sc.qkv)?;
             Self::add_lora(
@@ -527,12 +535,9 @@ tokens of width {dim}{}",
                 .zip(rope.par_iter())
                 .with_min_len(16)
                 .for_each(|(row, table)| ops::rope_in_place(&mut row[..qd + kvd], hd, table));
-            for t in 0..n {
-                let row = &sc.qkv[t * qkv_w..(t + 1) * qkv_w];
+            for (row, &(block, slot)) in sc.qkv.chunks_exact(qkv_w).zip(&slots) {
                 let (k, v) = row[qd..].split_at(kvd);
-                let s = &batch.seqs[seq_of[t]];
-                self.kv
-                    .write(li, s.block_table[pos[t] / bs], pos[t] % bs, k, v);
+                self.kv.write(li, block, slot, k, v);
             }
             let kv_layer = self.kv.layer(li);
             let qkv = &sc.qkv;
