@@ -108,7 +108,7 @@ impl KvCache {
     /// find them there. Keys are stored transposed, so one position's keys touch
     /// every line of its block's keys: a decode step's writes were a hundred misses
     /// per sequence and layer, each line last seen a whole step ago, on one thread
-    /// while the others waited (5 % of decode at 16 sequences).
+    /// while the others waited (4–6 % of a decode step of 16 sequences).
     pub fn prefetch_slots(&self, layer: usize, slots: impl IntoIterator<Item = (u32, usize)>) {
         let l = self.layout;
         let data = self.layer(layer);
