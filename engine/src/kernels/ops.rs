@@ -19,15 +19,16 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         .zip(out.par_chunks_mut(NORM_ROWS * dim))
         .with_min_len(2)
         .for_each(|(xr, or)| {
-            let mut sums = [0f64; NORM_ROWS];
-            let rows = xr.len() / dim;
-            if rows == NORM_ROWS {
-                sum_squares::<NORM_ROWS>(xr, dim, &mut sums);
+            let sums = if xr.len() == NORM_ROWS * dim {
+                sum_squares::<NORM_ROWS>(xr, dim)
             } else {
-                for (r, sum) in sums[..rows].iter_mut().enumerate() {
-                    sum_squares::<1>(&xr[r * dim..(r + 1) * dim], dim, std::slice::from_mut(sum));
+                // The last run, shorter: its rows one at a time.
+                let mut sums = [0f64; NORM_ROWS];
+                for (sum, row) in sums.iter_mut().zip(xr.chunks_exact(dim)) {
+                    [*sum] = sum_squares::<1>(row, dim);
                 }
-            }
+                sums
+            };
             for ((xr, or), &sum) in xr
                 .chunks_exact(dim)
                 .zip(or.chunks_exact_mut(dim))
@@ -45,12 +46,12 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// Rows whose sums of squares [`rms_norm`] advances together.
 const NORM_ROWS: usize = 8;
 
-/// The sums of squares of the `R` rows of `x` (`dim` each) into `sums`, each in order
+/// The sums of squares of the `R` rows of `x` (`dim` each), each in order
 /// in f64 as ggml sums: one row's sum is a chain of dependent adds, which left the
 /// core waiting on each; `R` rows side by side are `R` chains at once, each summed
 /// exactly as alone (a decode step of 16 rows: 3–4 µs less per norm).
 #[inline(always)]
-fn sum_squares<const R: usize>(x: &[f32], dim: usize, sums: &mut [f64]) {
+fn sum_squares<const R: usize>(x: &[f32], dim: usize) -> [f64; R] {
     let rows: [&[f32]; R] = std::array::from_fn(|r| &x[r * dim..(r + 1) * dim]);
     let mut acc = [0f64; R];
     for i in 0..dim {
@@ -59,7 +60,7 @@ fn sum_squares<const R: usize>(x: &[f32], dim: usize, sums: &mut [f64]) {
             *a += v * v;
         }
     }
-    sums[..R].copy_from_slice(&acc);
+    acc
 }
 
 /// `x += y`.
