@@ -785,12 +785,10 @@ impl ModelRunner for CpuBackend {
 /// they are runnable), until the step ends; between steps they sleep as before.
 fn run_step<R: Send>(pool: &rayon::ThreadPool, awake: bool, step: impl FnOnce() -> R + Send) -> R {
     pool.install(|| {
-        let Some(me) = rayon::current_thread_index().filter(|_| awake) else {
-            return step();
+        let me = match rayon::current_thread_index() {
+            Some(me) if awake && rayon::current_num_threads() > 1 => me,
+            _ => return step(),
         };
-        if rayon::current_num_threads() < 2 {
-            return step();
-        }
         /// Ends the other workers' jobs when the step returns or unwinds.
         struct Done(Arc<AtomicBool>);
         impl Drop for Done {
