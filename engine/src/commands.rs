@@ -267,6 +267,11 @@ pub struct BenchArgs {
     /// that costs. Refused with a group.
     #[arg(long)]
     exact_sums: bool,
+    /// Run every decode step whole, its products split between the threads, instead
+    /// of splitting a step's sequences between them (`CpuBackend::set_split_decode`),
+    /// to measure what the split gives. Single process only.
+    #[arg(long)]
+    no_split_decode: bool,
 }
 
 /// Runs `bench`, printing one JSON object with the kernels' instruction set (as the
@@ -292,6 +297,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<()> {
         let m = load(&args.runner)?;
         let mut runner = backend(&m.weights, args.runner.threads, blocks * block_size, 1)?;
         runner.set_exact_sums(args.exact_sums);
+        runner.set_split_decode(!args.no_split_decode);
         let report = model_bench::run(&mut runner, &config, &[])?;
         (report, work_per_token(&m.file)?)
     } else {
@@ -347,6 +353,10 @@ fn bench_group(
 ) -> anyhow::Result<(model_bench::BenchReport, &'static GgufFile)> {
     // A tensor rank always sums exactly and a pipeline stage as the single process
     // does by default; the switch is for the single process only.
+    anyhow::ensure!(
+        !args.no_split_decode,
+        "--no-split-decode measures the single process; a group runs its steps whole"
+    );
     anyhow::ensure!(
         !args.exact_sums,
         "--exact-sums measures the single process; a group decides its sums itself \

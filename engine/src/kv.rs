@@ -6,6 +6,8 @@
 //! decided outside it — by [`BlockAllocator`] here, and by the serving scheduler's
 //! block manager later — so allocation policy never touches the tensors.
 
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
 use half::f16;
 use half::slice::HalfFloatSliceExt as _;
 
@@ -32,26 +34,92 @@ pub enum KvError {
 /// f16 storage for keys and values of every layer, in blocks (llama.cpp's default
 /// KV cache type: half the bytes of f32 for attention to read, twice the blocks in
 /// the same memory).
+///
+/// Each layer is its own buffer behind its own lock, so the parts of a split decode
+/// step (see [`crate::backend::cpu`]), each running its own sequences through every
+/// layer, share one store: a part holds a layer's lock only to write its tokens'
+/// keys and values (exclusive, microseconds) or for its attention over the layer
+/// (shared), never two layers at once.
 #[derive(Debug)]
 pub struct KvCache {
-    layers: usize,
     num_blocks: usize,
     layout: KvLayout,
-    /// f16 elements, in huge pages when large: attention reads every live block of
-    /// every layer once per step, from wherever the allocator put it.
-    data: ZeroedBuffer,
+    /// Per layer, f16 elements, in huge pages when large: attention reads every live
+    /// block of every layer once per step, from wherever the allocator put it.
+    layers: Vec<RwLock<ZeroedBuffer>>,
+}
+
+/// One layer's blocks, read ([`KvCache::layer`]): the layer cannot be written while
+/// this is held.
+#[derive(Debug)]
+pub struct KvLayer<'a>(RwLockReadGuard<'a, ZeroedBuffer>);
+
+impl std::ops::Deref for KvLayer<'_> {
+    type Target = [f16];
+
+    fn deref(&self) -> &[f16] {
+        // A buffer from `ZeroedBuffer` is 64-byte aligned and a whole number of
+        // elements long, so the cast cannot fail.
+        bytemuck::cast_slice(self.0.bytes())
+    }
+}
+
+/// One layer's blocks, to store positions into ([`KvCache::layer_writer`]): the
+/// layer cannot be read or written elsewhere while this is held.
+#[derive(Debug)]
+pub struct KvLayerWriter<'a> {
+    layout: KvLayout,
+    num_blocks: usize,
+    data: RwLockWriteGuard<'a, ZeroedBuffer>,
+}
+
+impl KvLayerWriter<'_> {
+    /// Stores the keys and values (`kv_heads * head_dim` each) of one position.
+    ///
+    /// # Panics
+    /// When `block` or `slot` is out of range or the vectors have the wrong size.
+    pub fn write(&mut self, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+        let l = self.layout;
+        assert!(slot < l.block_size && (block as usize) < self.num_blocks);
+        assert!(k.len() == l.kv_heads * l.head_dim && v.len() == k.len());
+        let data: &mut [f16] = bytemuck::cast_slice_mut(self.data.bytes_mut());
+        // Stored as f16, as llama.cpp's default KV cache stores them, so our attention
+        // sees the numbers llama.cpp's does. Converted a slice at a time: `half`
+        // converts eight values per call that way, against one per call element by
+        // element, which made these writes a few percent of prompt processing. Keys
+        // go through a small buffer, as they are scattered over the slots.
+        const KEY_CHUNK: usize = 64;
+        let mut keys = [f16::ZERO; KEY_CHUNK];
+        for h in 0..l.kv_heads {
+            let head = h * l.head_dim..(h + 1) * l.head_dim;
+            // Keys are stored transposed ([dim][slot]) so scoring a block is a
+            // broadcast-multiply over slots; values row by row ([slot][dim]).
+            let at = l.offset(block as usize, false, h) + slot;
+            for (c, chunk) in k[head.clone()].chunks(KEY_CHUNK).enumerate() {
+                let converted = &mut keys[..chunk.len()];
+                converted.convert_from_f32_slice(chunk);
+                let first = c * KEY_CHUNK;
+                for (d, &kv) in converted.iter().enumerate() {
+                    data[at + (first + d) * l.block_size] = kv;
+                }
+            }
+            let at = l.offset(block as usize, true, h) + slot * l.head_dim;
+            data[at..at + l.head_dim].convert_from_f32_slice(&v[head]);
+        }
+    }
 }
 
 impl KvCache {
     /// Zeroed storage for `num_blocks` blocks in each of `layers` layers.
     #[must_use]
     pub fn new(layers: usize, num_blocks: usize, layout: KvLayout) -> Self {
-        let data = ZeroedBuffer::new(layers * num_blocks * layout.block_bytes());
+        let layers = (0..layers)
+            .map(|_| RwLock::new(ZeroedBuffer::new(num_blocks * layout.block_bytes())))
+            .collect();
         Self {
-            layers,
             num_blocks,
             layout,
-            data,
+            layers,
         }
     }
 
@@ -70,45 +138,61 @@ impl KvCache {
     /// Layers.
     #[must_use]
     pub fn layers(&self) -> usize {
-        self.layers
+        self.layers.len()
     }
 
     /// Bytes of the whole store.
     #[must_use]
     pub fn bytes(&self) -> usize {
-        self.layers * self.num_blocks * self.layout.block_bytes()
+        self.layers.len() * self.num_blocks * self.layout.block_bytes()
     }
 
-    /// Every element, as f16 (a buffer from [`ZeroedBuffer`] is 64-byte aligned and
-    /// a whole number of elements long, so the cast cannot fail).
-    fn elems(&self) -> &[f16] {
-        bytemuck::cast_slice(self.data.bytes())
-    }
-
-    fn elems_mut(&mut self) -> &mut [f16] {
-        bytemuck::cast_slice_mut(self.data.bytes_mut())
-    }
-
-    fn layer_elems(&self) -> usize {
-        self.num_blocks * self.layout.block_elems()
-    }
-
-    /// All blocks of one layer.
+    /// All blocks of one layer, to read; waits while the layer is being written.
     ///
     /// # Panics
     /// When `layer` is out of range.
     #[must_use]
-    pub fn layer(&self, layer: usize) -> &[f16] {
-        let n = self.layer_elems();
-        &self.elems()[layer * n..(layer + 1) * n]
+    pub fn layer(&self, layer: usize) -> KvLayer<'_> {
+        // A step that panicked left numbers, not broken invariants: the lock's
+        // poison carries nothing to act on.
+        KvLayer(
+            self.layers[layer]
+                .read()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
     }
 
-    /// Asks the CPU to bring into level 2 the lines that [`KvCache::write`] will store
-    /// `slots` (block, slot) of `layer` into, so the writes, issued a product later,
-    /// find them there. Keys are stored transposed, so one position's keys touch
-    /// every line of its block's keys: a decode step's writes were a hundred misses
-    /// per sequence and layer, each line last seen a whole step ago, on one thread
-    /// while the others waited (4–6 % of a decode step of 16 sequences).
+    /// One layer, to store positions into; waits while the layer is being read or
+    /// written.
+    ///
+    /// # Panics
+    /// When `layer` is out of range.
+    #[must_use]
+    pub fn layer_writer(&self, layer: usize) -> KvLayerWriter<'_> {
+        KvLayerWriter {
+            layout: self.layout,
+            num_blocks: self.num_blocks,
+            data: self.layers[layer]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner),
+        }
+    }
+
+    /// Stores the keys and values (`kv_heads * head_dim` each) of one position
+    /// ([`KvLayerWriter::write`]).
+    ///
+    /// # Panics
+    /// When `layer`, `block` or `slot` is out of range or the vectors have the wrong size.
+    pub fn write(&self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+        self.layer_writer(layer).write(block, slot, k, v);
+    }
+
+    /// Asks the CPU to bring into level 2 the lines that [`KvLayerWriter::write`] will
+    /// store `slots` (block, slot) of `layer` into, so the writes, issued a product
+    /// later, find them there. Keys are stored transposed, so one position's keys
+    /// touch every line of its block's keys: a decode step's writes were a hundred
+    /// misses per sequence and layer, each line last seen a whole step ago, on one
+    /// thread while the others waited (4–6 % of a decode step of 16 sequences).
     pub fn prefetch_slots(&self, layer: usize, slots: impl IntoIterator<Item = (u32, usize)>) {
         let l = self.layout;
         let data = self.layer(layer);
@@ -130,41 +214,6 @@ impl KvCache {
                 prefetch(&data[values..values + l.head_dim], CacheLevel::L2);
             }
             last = Some(b);
-        }
-    }
-
-    /// Stores the keys and values (`kv_heads * head_dim` each) of one position.
-    ///
-    /// # Panics
-    /// When `layer`, `block` or `slot` is out of range or the vectors have the wrong size.
-    pub fn write(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
-        let l = self.layout;
-        assert!(slot < l.block_size && (block as usize) < self.num_blocks);
-        assert!(k.len() == l.kv_heads * l.head_dim && v.len() == k.len());
-        let base = layer * self.layer_elems();
-        let data = self.elems_mut();
-        // Stored as f16, as llama.cpp's default KV cache stores them, so our attention
-        // sees the numbers llama.cpp's does. Converted a slice at a time: `half`
-        // converts eight values per call that way, against one per call element by
-        // element, which made these writes a few percent of prompt processing. Keys
-        // go through a small buffer, as they are scattered over the slots.
-        const KEY_CHUNK: usize = 64;
-        let mut keys = [f16::ZERO; KEY_CHUNK];
-        for h in 0..l.kv_heads {
-            let head = h * l.head_dim..(h + 1) * l.head_dim;
-            // Keys are stored transposed ([dim][slot]) so scoring a block is a
-            // broadcast-multiply over slots; values row by row ([slot][dim]).
-            let at = base + l.offset(block as usize, false, h) + slot;
-            for (c, chunk) in k[head.clone()].chunks(KEY_CHUNK).enumerate() {
-                let converted = &mut keys[..chunk.len()];
-                converted.convert_from_f32_slice(chunk);
-                let first = c * KEY_CHUNK;
-                for (d, &kv) in converted.iter().enumerate() {
-                    data[at + (first + d) * l.block_size] = kv;
-                }
-            }
-            let at = base + l.offset(block as usize, true, h) + slot * l.head_dim;
-            data[at..at + l.head_dim].convert_from_f32_slice(&v[head]);
         }
     }
 }
@@ -295,7 +344,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 3,
         };
-        let mut kv = KvCache::new(2, 3, layout);
+        let kv = KvCache::new(2, 3, layout);
         kv.write(
             1,
             2,
@@ -320,7 +369,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 100,
         };
-        let mut kv = KvCache::new(1, 2, layout);
+        let kv = KvCache::new(1, 2, layout);
         let k: Vec<f32> = (0..200u16).map(f32::from).collect();
         let v: Vec<f32> = k.iter().map(|x| -x).collect();
         kv.write(0, 1, 1, &k, &v);

@@ -358,7 +358,7 @@ fn rope_rotates_q_and_stores_kv<D: Device>(d: &D) {
         kv_heads: KV_HEADS,
         head_dim: HD,
     };
-    let mut cpu_kv = KvCache::new(2, BLOCKS, layout);
+    let cpu_kv = KvCache::new(2, BLOCKS, layout);
     let mut written = 0;
     for t in 0..n {
         let mut row = qkv[t * width..(t + 1) * width].to_vec();
@@ -419,7 +419,7 @@ fn paged_attention_matches_cpu_attention<D: Device>(d: &D) {
         kv_heads: KV_HEADS,
         head_dim: HD,
     };
-    let mut cpu_kv = KvCache::new(2, BLOCKS, layout);
+    let cpu_kv = KvCache::new(2, BLOCKS, layout);
     let mut kc = vec![0u16; p.cache_len(2)];
     let mut vc = vec![0u16; p.cache_len(2)];
     for blk in 0..BLOCKS {
@@ -480,10 +480,11 @@ fn paged_attention_matches_cpu_attention<D: Device>(d: &D) {
     let got = d.read(&out, n * HEADS * HD).unwrap();
     let group = HEADS / KV_HEADS;
     let mut scratch = AttnScratch::default();
+    let cpu_layer = cpu_kv.layer(1);
     for (t, &(seq, ps)) in toks.iter().enumerate() {
         for kh in 0..KV_HEADS {
             let tile = AttnTile {
-                layer: cpu_kv.layer(1),
+                layer: &cpu_layer,
                 layout,
                 table: &tables[seq],
                 pos: ps as usize,

@@ -7,13 +7,14 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use slipway_engine::backend::ModelRunner as _;
 use slipway_engine::backend::cpu::{CpuBackend, CpuConfig};
+use slipway_engine::backend::{Batch, LogitsWanted, ModelRunner as _, SeqChunk};
 use slipway_engine::generate::{PositionScore, score_with};
 use slipway_engine::kv::BlockAllocator;
 use slipway_engine::model::gguf::GgufFile;
 use slipway_engine::model::llama::LlamaWeights;
 use slipway_engine::model::lora::{BaseModel, load_adapters};
+use slipway_engine::sampling::{SamplingParams, SeqSampling, argmax};
 use slipway_engine::testing::{Oracle, lora_adapter_path, lora_oracle_path, model_path, oracle};
 use slipway_engine::tokenizer::Tokenizer;
 
@@ -71,6 +72,8 @@ fn fixture() -> MutexGuard<'static, Fixture> {
         let runner = CpuBackend::new(
             weights,
             &CpuConfig {
+                // Two threads on any machine, so decode steps can be split in two.
+                threads: 2,
                 num_blocks: BLOCKS,
                 ..CpuConfig::default()
             },
@@ -158,4 +161,107 @@ fn the_adapter_changes_the_greedy_tokens_and_leaves_no_trace() {
     );
     assert_eq!(scores((runner, alloc), &tokens, ADAPTER), with);
     assert_eq!(scores((runner, alloc), &tokens, None), without);
+}
+
+/// Greedy decode steps of `prompts` together, every other sequence with the adapter,
+/// with decode steps split between the threads or not; every step's logits.
+fn decode_together(
+    (runner, alloc): (&mut CpuBackend, &mut BlockAllocator),
+    prompts: &[&[u32]],
+    steps: usize,
+    split: bool,
+) -> Vec<Vec<f32>> {
+    let bs = runner.kv_geometry().block_size;
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut table = Vec::new();
+            alloc
+                .ensure(&mut table, p.len() + steps, bs)
+                .expect("blocks");
+            table
+        })
+        .collect();
+    let chunk = |i: usize, tokens: Vec<u32>, start_pos: usize| SeqChunk {
+        tokens,
+        start_pos,
+        block_table: tables[i].clone(),
+        logits: LogitsWanted::Last,
+        adapter: if i.is_multiple_of(2) { ADAPTER } else { None },
+    };
+    runner.set_split_decode(split);
+    let prefill = Batch {
+        seqs: prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| chunk(i, p.to_vec(), 0))
+            .collect(),
+    };
+    let mut logits = vec![runner.forward(&prefill).expect("prefill").data];
+    for step in 0..steps {
+        let last = logits.last().expect("a step");
+        let batch = Batch {
+            seqs: prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let row = &last[i * runner.config().vocab..][..runner.config().vocab];
+                    chunk(i, vec![argmax(row) as u32], p.len() + step)
+                })
+                .collect(),
+        };
+        let parts = runner.decode_parts(&batch).map(|p| p.len());
+        assert_eq!(parts, split.then_some(2), "step {step}: parts of the split");
+        let out = runner.forward(&batch).expect("decode").data;
+        // Sampling the same step again (its KV writes are the same values) picks the
+        // same tokens, each part sampling its own rows when split.
+        let greedy = SeqSampling {
+            params: SamplingParams::default(),
+            uniform: None,
+            history: Vec::new(),
+            stop_tokens: Vec::new(),
+            logprob: false,
+        };
+        let sampled = runner
+            .execute(&batch, &vec![Some(greedy); prompts.len()])
+            .expect("decode and sample");
+        let vocab = runner.config().vocab;
+        for (i, s) in sampled.sampled.iter().enumerate() {
+            let want = argmax(&out[i * vocab..][..vocab]) as u32;
+            assert_eq!(
+                s.map(|s| s.token),
+                Some(want),
+                "step {step}: token of sequence {i}"
+            );
+        }
+        logits.push(out);
+    }
+    runner.set_split_decode(true);
+    for t in &tables {
+        alloc.release(t).expect("release");
+    }
+    logits
+}
+
+#[test]
+fn a_split_decode_step_gives_the_whole_steps_logits_bit_for_bit() {
+    let base = oracle();
+    let mut f = fixture();
+    let Fixture { runner, alloc, .. } = &mut *f;
+    // Sixteen sequences of mixed lengths, so the parts differ in size.
+    let prompts: Vec<&[u32]> = (0..16)
+        .map(|i| {
+            let p = &base.prompts[i % base.prompts.len()].prompt_tokens;
+            &p[..p.len().min(3 + 5 * i)]
+        })
+        .collect();
+    let whole = decode_together((runner, alloc), &prompts, 4, false);
+    let split = decode_together((runner, alloc), &prompts, 4, true);
+    for (step, (w, s)) in whole.iter().zip(&split).enumerate() {
+        let same = w.len() == s.len() && w.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "step {step}: the split step's logits differ from the whole step's"
+        );
+    }
 }

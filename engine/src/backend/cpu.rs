@@ -42,17 +42,23 @@
 //! without tensor split stays the single process's bits either way, since its
 //! stages run the same arithmetic as one process.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use half::f16;
 use rayon::prelude::*;
 
-use super::{BackendError, Batch, KvGeometry, Logits, ModelRunner, Segment};
+use super::{
+    BackendError, Batch, KvGeometry, Logits, ModelOutput, ModelRunner, Segment, SeqChunk,
+    sample_on_host, validate_sampling,
+};
 use crate::kernels::attention::{AttnScratch, AttnTile, KvLayout, NextTile, QUERY_TILE, attend};
 use crate::kernels::{self, Isa, PackedMatrix, QuantActs, exact, ops};
 use crate::kv::KvCache;
 use crate::model::llama::{Linear, LlamaConfig, LlamaWeights, ModelPart, OutputHead};
 use crate::model::lora::{self, LoraAdapter, Projection};
+use crate::sampling::SeqSampling;
 
 /// Settings of the CPU backend.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,9 +157,28 @@ pub struct CpuBackend {
     weights: Arc<LlamaWeights>,
     kv: KvCache,
     pool: Arc<rayon::ThreadPool>,
+    /// One single-thread pool per worker of `pool` (none with one worker): the parts
+    /// of a split decode step, each on its own ([`split_decode`]).
+    part_pools: Vec<rayon::ThreadPool>,
+    /// Whether decode steps may be split ([`CpuBackend::set_split_decode`]).
+    split_decode: bool,
     isa: Isa,
     scratch: Scratch,
+    /// The working buffers of a split step's parts, one per part.
+    part_scratch: Vec<Scratch>,
     adapters: Vec<Arc<LoraAdapter>>,
+    exact_sums: bool,
+}
+
+/// What a step reads, borrowed from the backend: the model, the KV store (written
+/// through its per-layer locks) and the settings. The parts of a split decode step
+/// share one, each with its own [`Scratch`].
+#[derive(Clone, Copy)]
+struct Forward<'a> {
+    weights: &'a LlamaWeights,
+    kv: &'a KvCache,
+    isa: Isa,
+    adapters: &'a [Arc<LoraAdapter>],
     exact_sums: bool,
 }
 
@@ -187,14 +212,29 @@ impl CpuBackend {
         let pool = Arc::new(
             rayon::ThreadPoolBuilder::new()
                 .num_threads(config.threads)
+                .thread_name(|i| format!("slipway-cpu-{i}"))
                 .build()
                 .map_err(|e| e.to_string())?,
         );
+        let workers = pool.current_num_threads();
+        let part_pools = if workers > 1 {
+            (0..workers)
+                .map(|part| {
+                    rayon::ThreadPoolBuilder::new()
+                        .num_threads(1)
+                        .thread_name(move |_| format!("slipway-part-{part}"))
+                        .build()
+                        .map_err(|e| e.to_string())
+                })
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let isa = Isa::detect();
         tracing::info!(
             ?isa,
             layers = ?weights.part.layers,
-            threads = pool.current_num_threads(),
+            threads = workers,
             blocks = config.num_blocks,
             kv_bytes = kv.bytes(),
             "CPU backend ready"
@@ -203,8 +243,11 @@ impl CpuBackend {
             weights,
             kv,
             pool,
+            part_pools,
+            split_decode: true,
             isa,
             scratch: Scratch::default(),
+            part_scratch: Vec::new(),
             adapters: Vec::new(),
             exact_sums: false,
         })
@@ -296,7 +339,8 @@ impl CpuBackend {
             // awake would take a core from the ranks that share the machine.
             let awake = self.weights.part.shard.is_none();
             let pool = Arc::clone(&self.pool);
-            run_step(&pool, awake, || self.step_inner(batch, input, all_reduce))?
+            let (fwd, scratch) = self.forward_view();
+            run_step(&pool, awake, || fwd.run(scratch, batch, input, all_reduce))?
         };
         Ok(match logits {
             Some(logits) => StageOutput::Logits(logits),
@@ -332,6 +376,20 @@ impl CpuBackend {
         )
     }
 
+    /// The step's view of the backend, and its working buffers.
+    fn forward_view(&mut self) -> (Forward<'_>, &mut Scratch) {
+        let fwd = Forward {
+            weights: &self.weights,
+            kv: &self.kv,
+            isa: self.isa,
+            adapters: &self.adapters,
+            exact_sums: self.exact_sums,
+        };
+        (fwd, &mut self.scratch)
+    }
+}
+
+impl Forward<'_> {
     /// Adds each segment's low-rank products for `projs` of `layer` onto `out`.
     fn add_lora(
         adapters: &[Arc<LoraAdapter>],
@@ -405,16 +463,17 @@ impl CpuBackend {
     /// logits when it holds the head, else leaves the hidden states in `scratch.x`.
     /// Single-process and pipeline-stage steps share it, so a stage runs exactly the
     /// single process's arithmetic for its layers.
-    fn step_inner(
-        &mut self,
+    fn run(
+        &self,
+        sc: &mut Scratch,
         batch: &Batch,
         input: StageInput<'_>,
         all_reduce: AllReduce<'_>,
     ) -> Result<Option<Logits>, BackendError> {
-        let w = Arc::clone(&self.weights);
+        let w = self.weights;
         let dim = w.config.dim;
         let n = batch.num_tokens();
-        let x = &mut self.scratch.x;
+        let x = &mut sc.x;
         // Both checked before any layer runs, so a refused step writes no KV.
         match input {
             StageInput::Tokens => {
@@ -447,17 +506,22 @@ tokens of width {dim}{}",
                 std::mem::swap(x, hidden);
             }
         }
-        self.run_layers(batch, all_reduce)?;
+        self.run_layers(sc, batch, all_reduce)?;
         w.head
             .as_ref()
-            .map(|head| self.output_head(batch, head))
+            .map(|head| self.output_head(sc, batch, head))
             .transpose()
     }
 
     /// The layer loop over the step's hidden states in `scratch.x`, over the heads
     /// and MLP columns this backend holds (all of them, or a tensor shard's).
-    fn run_layers(&mut self, batch: &Batch, all_reduce: AllReduce<'_>) -> Result<(), BackendError> {
-        let w = Arc::clone(&self.weights);
+    fn run_layers(
+        &self,
+        sc: &mut Scratch,
+        batch: &Batch,
+        all_reduce: AllReduce<'_>,
+    ) -> Result<(), BackendError> {
+        let w = self.weights;
         let c = &w.config;
         let first_layer = w.part.layers.start;
         let isa = self.isa;
@@ -496,7 +560,6 @@ tokens of width {dim}{}",
             .iter()
             .map(|&p| ops::rope_table(p, c.rope_dims, c.rope_base))
             .collect();
-        let sc = &mut self.scratch;
         sc.h.resize(n * dim, 0.0);
         sc.attn.resize(n * qd, 0.0);
         sc.attn_tiles.resize(n * qd, 0.0);
@@ -535,11 +598,16 @@ tokens of width {dim}{}",
                 .zip(rope.par_iter())
                 .with_min_len(16)
                 .for_each(|(row, table)| ops::rope_in_place(&mut row[..qd + kvd], hd, table));
+            let mut writer = self.kv.layer_writer(li);
             for (row, &(block, slot)) in sc.qkv.chunks_exact(qkv_w).zip(&slots) {
                 let (k, v) = row[qd..].split_at(kvd);
-                self.kv.write(li, block, slot, k, v);
+                writer.write(block, slot, k, v);
             }
-            let kv_layer = self.kv.layer(li);
+            drop(writer);
+            // Held for the attention pass only: the other parts of a split step wait on
+            // it to store their own positions of this layer.
+            let kv_read = self.kv.layer(li);
+            let kv_layer: &[f16] = &kv_read;
             let qkv = &sc.qkv;
             // Each tile's output is one contiguous run of `attn_tiles` (its tokens, each
             // with the heads of its group): split off in task order, computed in one
@@ -582,6 +650,7 @@ tokens of width {dim}{}",
                     attend(isa, &t, scratch, out);
                 },
             );
+            drop(kv_read);
             let rows = tiles.iter().flat_map(|tile| {
                 (tile.token()..tile.token() + tile.tokens).map(|t| t * qd + tile.kv_head * width)
             });
@@ -649,10 +718,14 @@ tokens of width {dim}{}",
     }
 
     /// The final norm and output head over the rows the batch asked logits for.
-    fn output_head(&mut self, batch: &Batch, head: &OutputHead) -> Result<Logits, BackendError> {
+    fn output_head(
+        &self,
+        sc: &mut Scratch,
+        batch: &Batch,
+        head: &OutputHead,
+    ) -> Result<Logits, BackendError> {
         let c = &self.weights.config;
         let (dim, isa) = (c.dim, self.isa);
-        let sc = &mut self.scratch;
         // Only the rows someone asked for go through the (large) output head.
         let (rows, spans) = batch.logits_rows();
         let m = rows.len();
@@ -747,6 +820,85 @@ impl ModelRunner for CpuBackend {
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
+        self.validate_whole_step(batch)?;
+        if batch.seqs.is_empty() {
+            return Ok(Logits {
+                vocab: self.weights.config.vocab,
+                ..Logits::default()
+            });
+        }
+        if let Some(parts) = self.decode_parts(batch) {
+            let vocab = self.weights.config.vocab;
+            let mut joined = Logits {
+                vocab,
+                data: Vec::new(),
+                spans: Vec::with_capacity(batch.seqs.len()),
+            };
+            for logits in self.run_split(batch, &parts, |_, logits| logits)? {
+                let rows = joined.data.len() / vocab.max(1);
+                joined.data.extend_from_slice(&logits.data);
+                joined
+                    .spans
+                    .extend(logits.spans.iter().map(|s| s.start + rows..s.end + rows));
+            }
+            return Ok(joined);
+        }
+        let pool = Arc::clone(&self.pool);
+        let (fwd, scratch) = self.forward_view();
+        run_step(&pool, true, || {
+            fwd.run(scratch, batch, StageInput::Tokens, &mut |_| Ok(()))
+        })?
+        .ok_or_else(whole_model_without_logits)
+    }
+
+    /// As the default, except that a split decode step samples each part's rows on
+    /// that part's thread, beside its forward pass, instead of on one thread after
+    /// both.
+    fn execute(
+        &mut self,
+        batch: &Batch,
+        sampling: &[Option<SeqSampling>],
+    ) -> Result<ModelOutput, BackendError> {
+        validate_sampling(batch, sampling)?;
+        self.validate_whole_step(batch)?;
+        let Some(parts) = self.decode_parts(batch) else {
+            return Ok(sample_on_host(&self.forward(batch)?, sampling));
+        };
+        let outputs = self.run_split(batch, &parts, |seqs, logits| {
+            sample_on_host(&logits, &sampling[seqs])
+        })?;
+        Ok(ModelOutput {
+            sampled: outputs.into_iter().flat_map(|o| o.sampled).collect(),
+        })
+    }
+}
+
+fn whole_model_without_logits() -> BackendError {
+    BackendError::Stage("a whole model returned no logits".into())
+}
+
+impl CpuBackend {
+    /// Lets decode steps be split between the threads ([`split_decode`]); on by
+    /// default. Tests and `slipway-engine bench --no-split-decode` turn it off to
+    /// compare: the logits are the same bits either way.
+    pub fn set_split_decode(&mut self, split: bool) {
+        self.split_decode = split;
+    }
+
+    /// How [`ModelRunner::forward`] splits `batch` between the threads, as ranges of
+    /// `batch.seqs` each run through every layer by one thread alone ([`split_decode`]),
+    /// or `None` when it runs the step whole.
+    #[must_use]
+    pub fn decode_parts(&self, batch: &Batch) -> Option<Vec<Range<usize>>> {
+        let block_size = self.kv.layout().block_size;
+        self.split_decode
+            .then(|| split_decode(batch, self.part_pools.len(), block_size))
+            .flatten()
+    }
+
+    /// Checks `batch` as [`CpuBackend::validate`] does, and that this backend holds
+    /// the whole model (a stage runs `forward_stage`).
+    fn validate_whole_step(&self, batch: &Batch) -> Result<(), BackendError> {
         self.validate(batch)?;
         let part = &self.weights.part;
         if !part.is_whole(self.weights.config.n_layers) {
@@ -756,18 +908,152 @@ impl ModelRunner for CpuBackend {
                 part.layers, self.weights.config.n_layers
             )));
         }
-        if batch.seqs.is_empty() {
-            return Ok(Logits {
-                vocab: self.weights.config.vocab,
-                ..Logits::default()
-            });
-        }
-        let pool = Arc::clone(&self.pool);
-        run_step(&pool, true, || {
-            self.step_inner(batch, StageInput::Tokens, &mut |_| Ok(()))
-        })?
-        .ok_or_else(|| BackendError::Stage("a whole model returned no logits".into()))
+        Ok(())
     }
+
+    /// Runs a decode step as `parts` (ranges of `batch.seqs`), each on its own
+    /// single-thread pool through every layer and then through `finish` (given the
+    /// part's range and logits) there too; returns what `finish` made, in batch order.
+    fn run_split<R: Send>(
+        &mut self,
+        batch: &Batch,
+        parts: &[Range<usize>],
+        finish: impl Fn(Range<usize>, Logits) -> R + Sync,
+    ) -> Result<Vec<R>, BackendError> {
+        let batches: Vec<Batch> = parts
+            .iter()
+            .map(|r| Batch {
+                seqs: batch.seqs[r.clone()].to_vec(),
+            })
+            .collect();
+        if self.part_scratch.len() < parts.len() {
+            self.part_scratch.resize_with(parts.len(), Scratch::default);
+        }
+        let fwd = Forward {
+            weights: &self.weights,
+            kv: &self.kv,
+            isa: self.isa,
+            adapters: &self.adapters,
+            exact_sums: self.exact_sums,
+        };
+        let finish = &finish;
+        let jobs = batches
+            .iter()
+            .zip(parts)
+            .zip(&mut self.part_scratch)
+            .map(|((part, seqs), scratch)| {
+                move || {
+                    let logits = fwd
+                        .run(scratch, part, StageInput::Tokens, &mut |_| Ok(()))?
+                        .ok_or_else(whole_model_without_logits)?;
+                    Ok(finish(seqs.clone(), logits))
+                }
+            })
+            .collect();
+        run_on_each(&self.part_pools, jobs).into_iter().collect()
+    }
+}
+
+/// Sequences a part of a split decode step gets at least; fewer, and the step runs
+/// whole. (measured: see `engine/BENCHMARKS.md`)
+const MIN_PART_SEQS: usize = 4;
+
+/// What one decode sequence costs a part, in KV positions its attention reads: the
+/// products of a token cost as much as attention over ~560 positions (in a decode
+/// step of 16 sequences at ~190 positions, the products took 70 % of the step and
+/// attention 24 %).
+const TOKEN_COST_IN_POSITIONS: usize = 560;
+
+/// How to split a decode step between `threads` (consecutive ranges of `batch.seqs`
+/// of about equal cost), or `None` to run it whole.
+///
+/// A decode step of a few dozen sequences is a small-M product per weight matrix;
+/// run whole, each of its ~270 parallel passes splits the rows of one product
+/// between the threads and joins them, and each layer hands its rows from one core
+/// to the other. Split, each thread runs its own sequences through every layer
+/// alone, reading all the weights itself: two pinned one-thread processes with 8
+/// sequences each made 1,199–1,221 tokens/s together, one two-thread process with 16
+/// 833–1,089. So only steps of decodes alone (one token per sequence; a prompt chunk
+/// keeps the threads on its own large products) of at least [`MIN_PART_SEQS`] a
+/// part, and only when no part reads a block another part writes in this step, so
+/// the result does not depend on which part runs first: each sequence's logits are
+/// then the whole step's, bit for bit.
+fn split_decode(batch: &Batch, threads: usize, block_size: usize) -> Option<Vec<Range<usize>>> {
+    let seqs = &batch.seqs;
+    if threads < 2
+        || seqs.len() < threads * MIN_PART_SEQS
+        || seqs.iter().any(|s| s.tokens.len() != 1)
+    {
+        return None;
+    }
+    let cost = |s: &SeqChunk| TOKEN_COST_IN_POSITIONS + s.start_pos + 1;
+    let total: usize = seqs.iter().map(cost).sum();
+    let mut parts = Vec::with_capacity(threads);
+    let (mut start, mut sum) = (0, 0);
+    for (i, s) in seqs.iter().enumerate() {
+        sum += cost(s);
+        // Cut where the running cost first reaches the next part's share.
+        if parts.len() + 1 < threads && sum * threads >= total * (parts.len() + 1) {
+            parts.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    parts.push(start..seqs.len());
+    if parts.len() != threads || parts.iter().any(|p| p.len() < MIN_PART_SEQS) {
+        return None;
+    }
+    writes_stay_in_their_part(batch, &parts, block_size).then_some(parts)
+}
+
+/// Whether every block a part writes this step is read and written by that part
+/// alone.
+fn writes_stay_in_their_part(batch: &Batch, parts: &[Range<usize>], block_size: usize) -> bool {
+    let mut writer = std::collections::HashMap::new();
+    for (p, range) in parts.iter().enumerate() {
+        for s in &batch.seqs[range.clone()] {
+            let Some(&block) = s.block_table.get(s.start_pos / block_size) else {
+                return false;
+            };
+            if *writer.entry(block).or_insert(p) != p {
+                return false;
+            }
+        }
+    }
+    parts.iter().enumerate().all(|(p, range)| {
+        batch.seqs[range.clone()].iter().all(|s| {
+            let read = &s.block_table[..s.block_table.len().min(s.start_pos / block_size + 1)];
+            read.iter().all(|b| writer.get(b).is_none_or(|&w| w == p))
+        })
+    })
+}
+
+/// Runs `jobs[i]` on `pools[i]`, all at once, and returns their results in order;
+/// the caller's thread waits.
+fn run_on_each<R: Send>(
+    pools: &[rayon::ThreadPool],
+    jobs: Vec<impl FnOnce() -> R + Send>,
+) -> Vec<R> {
+    let mut results: Vec<Option<R>> = jobs.iter().map(|_| None).collect();
+    spawn_each(pools, jobs.into_iter().zip(results.iter_mut()));
+    results
+        .into_iter()
+        .map(|r| r.expect("a scope returns after its jobs have run"))
+        .collect()
+}
+
+/// Spawns each job on the next pool, inside nested scopes that return when all have
+/// run (rayon's scopes, as a pool's `install` would block the caller on the first).
+fn spawn_each<'a, R: Send + 'a, F: FnOnce() -> R + Send + 'a>(
+    pools: &[rayon::ThreadPool],
+    mut jobs: impl Iterator<Item = (F, &'a mut Option<R>)>,
+) {
+    let (Some((pool, pools)), Some((job, result))) = (pools.split_first(), jobs.next()) else {
+        return;
+    };
+    pool.in_place_scope(|scope| {
+        scope.spawn(move |_| *result = Some(job()));
+        spawn_each(pools, jobs);
+    });
 }
 
 /// Runs one step on `pool`; with `awake`, the pool's other workers stay awake until it
@@ -810,4 +1096,94 @@ fn run_step<R: Send>(pool: &rayon::ThreadPool, awake: bool, step: impl FnOnce() 
         });
         step()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::LogitsWanted;
+
+    /// A decode chunk at `pos` over `table` (blocks of 16 positions).
+    fn decode(pos: usize, table: Vec<u32>) -> SeqChunk {
+        SeqChunk {
+            tokens: vec![1],
+            start_pos: pos,
+            block_table: table,
+            logits: LogitsWanted::Last,
+            adapter: None,
+        }
+    }
+
+    /// `n` decodes at `pos`, each in blocks of its own from `first`.
+    fn decodes(n: usize, pos: usize, first: u32) -> Vec<SeqChunk> {
+        let blocks = u32::try_from(pos / 16 + 1).expect("small");
+        (0..n)
+            .map(|i| {
+                let start = first + u32::try_from(i).expect("small") * blocks;
+                decode(pos, (start..start + blocks).collect())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn equal_decodes_split_in_equal_halves() {
+        let batch = Batch {
+            seqs: decodes(16, 100, 0),
+        };
+        assert_eq!(split_decode(&batch, 2, 16), Some(vec![0..8, 8..16]));
+        assert_eq!(
+            split_decode(&batch, 4, 16),
+            Some(vec![0..4, 4..8, 8..12, 12..16])
+        );
+    }
+
+    #[test]
+    fn long_contexts_weigh_more() {
+        // Eight at 2,000 positions, then eight at 10: the first part ends early.
+        let mut seqs = decodes(8, 2000, 0);
+        seqs.extend(decodes(8, 10, 2000));
+        let parts = split_decode(&Batch { seqs }, 2, 16).expect("split");
+        assert_eq!(parts.len(), 2);
+        assert!(
+            parts[0].len() < 8 && parts[0].len() >= MIN_PART_SEQS,
+            "{parts:?}"
+        );
+    }
+
+    #[test]
+    fn prompts_small_batches_and_one_thread_run_whole() {
+        let mut with_prompt = Batch {
+            seqs: decodes(16, 100, 0),
+        };
+        with_prompt.seqs[3].tokens = vec![1, 2];
+        assert_eq!(split_decode(&with_prompt, 2, 16), None);
+        let small = Batch {
+            seqs: decodes(2 * MIN_PART_SEQS - 1, 100, 0),
+        };
+        assert_eq!(split_decode(&small, 2, 16), None);
+        let batch = Batch {
+            seqs: decodes(16, 100, 0),
+        };
+        assert_eq!(split_decode(&batch, 1, 16), None);
+        // Heavier than a part's share, and too few after it for another part.
+        let mut lopsided = decodes(MIN_PART_SEQS, 100_000, 0);
+        lopsided.extend(decodes(MIN_PART_SEQS, 0, 100_000));
+        assert_eq!(split_decode(&Batch { seqs: lopsided }, 2, 16), None);
+    }
+
+    #[test]
+    fn a_block_written_in_one_part_and_used_in_another_keeps_the_step_whole() {
+        // Sixteen sequences sharing two full blocks of prefix: still split.
+        let shared: Vec<SeqChunk> = (0..16u32).map(|i| decode(40, vec![500, 501, i])).collect();
+        let batch = Batch { seqs: shared };
+        assert_eq!(split_decode(&batch, 2, 16), Some(vec![0..8, 8..16]));
+        // The last sequence reads the block the first one writes.
+        let mut reads = batch.clone();
+        reads.seqs[15].block_table = vec![500, 0, 15];
+        assert_eq!(split_decode(&reads, 2, 16), None);
+        // Two sequences in different parts write the same block.
+        let mut writes = batch;
+        writes.seqs[15].block_table[2] = 0;
+        assert_eq!(split_decode(&writes, 2, 16), None);
+    }
 }
