@@ -10,6 +10,14 @@
 //! kernels compute each token's row with the same operations in the same order (an
 //! attention row's result does not depend on the other rows of its tile either).
 //!
+//! Split decode steps ([`CpuBackend::decode_parts`]): a step of decodes alone, of
+//! enough sequences, runs instead as one part per thread, consecutive sequences of
+//! about equal cost, each part through every layer on its own single-thread pool
+//! (products of fewer rows, but no pass split between the threads and no hand-off
+//! of a layer's rows from core to core), sharing the KV store through its
+//! per-layer locks. Its logits are the whole step's, bit for bit, by the property
+//! above.
+//!
 //! LoRA adapters ([`CpuBackend::with_adapters`]): after each base product, the rows
 //! of each adapter segment ([`Batch::adapter_segments`]) get that adapter's low-rank
 //! product added ([`lora::add_segment`]) — q/k/v before RoPE and the KV write, o,
@@ -955,7 +963,10 @@ impl CpuBackend {
 }
 
 /// Sequences a part of a split decode step gets at least; fewer, and the step runs
-/// whole. (measured: see `engine/BENCHMARKS.md`)
+/// whole. Measured (same binary, split or not, alternating, 2 threads): at 2 and 4
+/// sequences whole steps are faster (411–537 vs 330–362 tok/s at 2); at 8 they are
+/// even (split 889–922; whole 1,012–1,030 or 759–862, as the host's two states
+/// have it); at 16 and 64 split steps win (see `engine/BENCHMARKS.md`).
 const MIN_PART_SEQS: usize = 4;
 
 /// What one decode sequence costs a part, in KV positions its attention reads: the
