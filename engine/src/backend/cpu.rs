@@ -167,7 +167,7 @@ pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     /// One single-thread pool per worker of `pool` (none with one worker): the parts
     /// of a split decode step, each on its own ([`split_decode`]).
-    part_pools: Vec<rayon::ThreadPool>,
+    part_pools: Arc<Vec<rayon::ThreadPool>>,
     /// Whether decode steps may be split ([`CpuBackend::set_split_decode`]).
     split_decode: bool,
     isa: Isa,
@@ -225,7 +225,7 @@ impl CpuBackend {
                 .map_err(|e| e.to_string())?,
         );
         let workers = pool.current_num_threads();
-        let part_pools = if workers > 1 {
+        let part_pools = Arc::new(if workers > 1 {
             (0..workers)
                 .map(|part| {
                     rayon::ThreadPoolBuilder::new()
@@ -237,7 +237,7 @@ impl CpuBackend {
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()
-        };
+        });
         let isa = Isa::detect();
         tracing::info!(
             ?isa,
@@ -347,7 +347,7 @@ impl CpuBackend {
             // awake would take a core from the ranks that share the machine.
             let awake = self.weights.part.shard.is_none();
             let pool = Arc::clone(&self.pool);
-            let (fwd, scratch) = self.forward_view();
+            let (fwd, scratch, _) = self.forward_view();
             run_step(&pool, awake, || fwd.run(scratch, batch, input, all_reduce))?
         };
         Ok(match logits {
@@ -384,8 +384,9 @@ impl CpuBackend {
         )
     }
 
-    /// The step's view of the backend, and its working buffers.
-    fn forward_view(&mut self) -> (Forward<'_>, &mut Scratch) {
+    /// The step's view of the backend, and the working buffers of a whole step and of
+    /// a split step's parts.
+    fn forward_view(&mut self) -> (Forward<'_>, &mut Scratch, &mut Vec<Scratch>) {
         let fwd = Forward {
             weights: &self.weights,
             kv: &self.kv,
@@ -393,7 +394,7 @@ impl CpuBackend {
             adapters: &self.adapters,
             exact_sums: self.exact_sums,
         };
-        (fwd, &mut self.scratch)
+        (fwd, &mut self.scratch, &mut self.part_scratch)
     }
 }
 
@@ -852,7 +853,7 @@ impl ModelRunner for CpuBackend {
             return Ok(joined);
         }
         let pool = Arc::clone(&self.pool);
-        let (fwd, scratch) = self.forward_view();
+        let (fwd, scratch, _) = self.forward_view();
         run_step(&pool, true, || {
             fwd.run(scratch, batch, StageInput::Tokens, &mut |_| Ok(()))
         })?
@@ -934,21 +935,16 @@ impl CpuBackend {
                 seqs: batch.seqs[r.clone()].to_vec(),
             })
             .collect();
-        if self.part_scratch.len() < parts.len() {
-            self.part_scratch.resize_with(parts.len(), Scratch::default);
+        let pools = Arc::clone(&self.part_pools);
+        let (fwd, _, part_scratch) = self.forward_view();
+        if part_scratch.len() < parts.len() {
+            part_scratch.resize_with(parts.len(), Scratch::default);
         }
-        let fwd = Forward {
-            weights: &self.weights,
-            kv: &self.kv,
-            isa: self.isa,
-            adapters: &self.adapters,
-            exact_sums: self.exact_sums,
-        };
         let finish = &finish;
         let jobs = batches
             .iter()
             .zip(parts)
-            .zip(&mut self.part_scratch)
+            .zip(part_scratch)
             .map(|((part, seqs), scratch)| {
                 move || {
                     let logits = fwd
@@ -958,7 +954,7 @@ impl CpuBackend {
                 }
             })
             .collect();
-        run_on_each(&self.part_pools, jobs).into_iter().collect()
+        run_on_each(&pools, jobs).into_iter().collect()
     }
 }
 
