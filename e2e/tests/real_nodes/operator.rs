@@ -305,6 +305,13 @@ async fn watch_endpoint(
 pub async fn drain_under_load_finishes_every_stream(env: Arc<Env>) -> anyhow::Result<()> {
     let mut isvc = real_sample("")?;
     isvc["spec"]["release"]["engine"]["maxOutputTokens"] = json!(128);
+    // Paced (the test image's fault injection: every decode step 60 ms slower), so
+    // the streams' 96 tokens outlast the 2 s preStop sleep however fast the engine
+    // decodes: unpaced, 16 streams ended before SIGTERM once a decode step of 16
+    // took 14 ms.
+    isvc["spec"]["release"]["engine"]["image"] = json!(fault_injection_image()?);
+    isvc["spec"]["release"]["engine"]["args"] =
+        json!(["--kv-blocks", "256", "--inject-delay-ms", "60"]);
     let running = Running::start(&env, isvc).await?;
     let pods = ensure_on_real_nodes(&running).await?;
     let pod = pods
