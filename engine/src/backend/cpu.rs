@@ -830,6 +830,38 @@ impl ModelRunner for CpuBackend {
 
     fn forward(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
         self.validate_whole_step(batch)?;
+        self.forward_checked(batch)
+    }
+
+    /// As the default, except that a split decode step samples each part's rows on
+    /// that part's thread, beside its forward pass, instead of on one thread after
+    /// both.
+    fn execute(
+        &mut self,
+        batch: &Batch,
+        sampling: &[Option<SeqSampling>],
+    ) -> Result<ModelOutput, BackendError> {
+        validate_sampling(batch, sampling)?;
+        self.validate_whole_step(batch)?;
+        let Some(parts) = self.decode_parts(batch) else {
+            return Ok(sample_on_host(&self.forward_checked(batch)?, sampling));
+        };
+        let outputs = self.run_split(batch, &parts, |seqs, logits| {
+            sample_on_host(&logits, &sampling[seqs])
+        })?;
+        Ok(ModelOutput {
+            sampled: outputs.into_iter().flat_map(|o| o.sampled).collect(),
+        })
+    }
+}
+
+fn whole_model_without_logits() -> BackendError {
+    BackendError::Stage("a whole model returned no logits".into())
+}
+
+impl CpuBackend {
+    /// [`ModelRunner::forward`] of a batch [`CpuBackend::validate_whole_step`] passed.
+    fn forward_checked(&mut self, batch: &Batch) -> Result<Logits, BackendError> {
         if batch.seqs.is_empty() {
             return Ok(Logits {
                 vocab: self.weights.config.vocab,
@@ -860,33 +892,6 @@ impl ModelRunner for CpuBackend {
         .ok_or_else(whole_model_without_logits)
     }
 
-    /// As the default, except that a split decode step samples each part's rows on
-    /// that part's thread, beside its forward pass, instead of on one thread after
-    /// both.
-    fn execute(
-        &mut self,
-        batch: &Batch,
-        sampling: &[Option<SeqSampling>],
-    ) -> Result<ModelOutput, BackendError> {
-        validate_sampling(batch, sampling)?;
-        self.validate_whole_step(batch)?;
-        let Some(parts) = self.decode_parts(batch) else {
-            return Ok(sample_on_host(&self.forward(batch)?, sampling));
-        };
-        let outputs = self.run_split(batch, &parts, |seqs, logits| {
-            sample_on_host(&logits, &sampling[seqs])
-        })?;
-        Ok(ModelOutput {
-            sampled: outputs.into_iter().flat_map(|o| o.sampled).collect(),
-        })
-    }
-}
-
-fn whole_model_without_logits() -> BackendError {
-    BackendError::Stage("a whole model returned no logits".into())
-}
-
-impl CpuBackend {
     /// Lets decode steps be split between the threads ([`split_decode`]); on by
     /// default. Tests and `slipway-engine bench --no-split-decode` turn it off to
     /// compare: the logits are the same bits either way.
